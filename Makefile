@@ -1,0 +1,44 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing, installs the pinned CPU torch unless a torch is
+# already importable there (an unpinned `torch` would pull a multi-GB CUDA build),
+# installs the project with what the target needs, then runs.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.stoker-installed
+
+.PHONY: demo test lint format bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null \
+		&& echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already installed" \
+		|| $(PY) -m pip install --quiet $(TORCH_PIN)
+	@touch $@
+
+$(STAMP): pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/stoker demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -m "not slow" -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,94 @@
+"""Exporting model weights to .safetensors and loading them back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import safetensors.torch
+from safetensors import SafetensorError
+from torch import nn
+
+from stoker.checkpoint.io import atomic_path, listing_hint
+from stoker.errors import CheckpointError
+
+__all__ = ["export_safetensors", "load_safetensors_into", "unwrap_model"]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strips torch.compile and (Distributed)DataParallel wrappers, so keys match the model."""
+    while True:
+        # torch.compile's OptimizedModule keeps the user's module as `_orig_mod`.
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+        elif isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def export_safetensors(model: nn.Module, path: str | Path) -> Path:
+    """Writes the model's weights (parameters and persistent buffers) as a .safetensors file.
+
+    Tied (shared) tensors are stored once, and wrapper prefixes (``_orig_mod.``,
+    ``module.``) are stripped, so the file loads into the plain model. The write is atomic.
+
+    Args:
+        model: The model, possibly wrapped by torch.compile or DDP.
+        path: The file to write; its folder must exist.
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Raises:
+        CheckpointError: The file could not be written.
+    """
+    path = Path(path)
+    with atomic_path(path, what="safetensors file") as tmp:
+        # "format": "pt" is the metadata other safetensors readers expect from PyTorch files.
+        safetensors.torch.save_model(unwrap_model(model), str(tmp), metadata={"format": "pt"})
+    return path
+
+
+def load_safetensors_into(
+    model: nn.Module, path: str | Path, *, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Loads a .safetensors file into ``model`` in place.
+
+    Args:
+        model: The model to fill, possibly wrapped by torch.compile or DDP.
+        path: The .safetensors file.
+        strict: Whether keys missing from, or unexpected in, the file are an error.
+
+    Returns:
+        The missing and the unexpected keys (both empty when ``strict``).
+
+    Raises:
+        CheckpointError: The file is missing, its header is broken, or it does not fit the
+            model.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"Safetensors file {path} does not exist.",
+            hint=listing_hint(path.parent, "*.safetensors", kind="safetensors files"),
+        )
+    try:
+        missing, unexpected = safetensors.torch.load_model(unwrap_model(model), path, strict)
+    except SafetensorError as exc:
+        raise CheckpointError(
+            f"Safetensors file {path} is broken (truncated or not safetensors): {exc}.",
+            hint="export the weights again with export_safetensors",
+        ) from exc
+    except OSError as exc:
+        raise CheckpointError(f"Cannot read safetensors file {path}: {exc}.") from exc
+    except RuntimeError as exc:
+        # load_state_dict reports missing/unexpected keys and shape mismatches this way.
+        hint = "build the same architecture the weights were exported from"
+        if "size mismatch" not in str(exc):
+            hint += ", or pass strict=False to load only the keys that match"
+        raise CheckpointError(
+            f"Safetensors file {path} does not fit {type(unwrap_model(model)).__name__}: {exc}",
+            hint=hint,
+        ) from exc
+    return sorted(missing), sorted(unexpected)

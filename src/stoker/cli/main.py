@@ -1,0 +1,57 @@
+"""The ``stoker`` command: parse, dispatch to a subcommand, turn errors into messages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from stoker import __version__
+from stoker.cli import demo, train
+from stoker.errors import StokerError
+
+SUBCOMMANDS = (train, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; the CLI reference is generated from it."""
+    parser = argparse.ArgumentParser(
+        prog="stoker",
+        description="Train PyTorch models with a pipeline that measures itself.",
+    )
+    parser.add_argument("--version", action="version", version=f"stoker {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers, parents=[common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="stoker: %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Libraries' own chatter stays out of the user's way unless debugging.
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("stoker").setLevel(logging.DEBUG if args.debug else logging.INFO)
+    try:
+        return args.run(args) or 0
+    except StokerError as error:
+        if args.debug:
+            raise
+        print(f"stoker: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("stoker: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Build the user's model, datasets, loss and collate from config names or import paths."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from stoker.config import ComponentSpec, RunConfig
+from stoker.data.sources import split_dataset
+from stoker.errors import ConfigError, DataError
+from stoker.examples.datasets import DATASETS
+from stoker.examples.models import MODELS
+
+LOSSES: dict[str, Callable[..., nn.Module]] = {
+    "cross_entropy": nn.CrossEntropyLoss,
+    "nll": nn.NLLLoss,
+    "bce_with_logits": nn.BCEWithLogitsLoss,
+    "mse": nn.MSELoss,
+    "l1": nn.L1Loss,
+    "smooth_l1": nn.SmoothL1Loss,
+    "huber": nn.HuberLoss,
+}
+CLASSIFICATION_LOSSES = frozenset({"cross_entropy", "nll", "bce_with_logits"})
+REGRESSION_LOSSES = frozenset({"mse", "l1", "smooth_l1", "huber"})
+
+
+def resolve_callable(
+    spec: str, *, field: str, builtins: Mapping[str, Callable[..., Any]]
+) -> Callable:
+    """Turn a built-in name, ``package.module:attr`` or ``path/file.py:attr`` into a callable.
+
+    Args:
+        spec: What the config says.
+        field: The config key it came from, named in errors.
+        builtins: The built-in names allowed for this field.
+    """
+    if spec in builtins:
+        return builtins[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise ConfigError(
+            f"{field}: {spec!r} is neither a built-in name nor an import path",
+            hint=f"use one of {', '.join(sorted(builtins))}, or `package.module:callable`",
+        )
+    module = _import_module(module_name, field=field, spec=spec)
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(
+                f"{field}: {module_name!r} has no attribute {attr!r}",
+                hint=f"check the name after ':' in {spec!r}",
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{field}: {spec!r} is not callable (it is a {type(target).__name__})")
+    return target
+
+
+def _import_module(module_name: str, *, field: str, spec: str) -> Any:
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ConfigError(f"{field}: file {path} not found (from {spec!r})")
+        name = f"stoker_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        loader_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{field}: cannot import module {module_name!r} (from {spec!r}): {exc}",
+            hint="check the module path, or make it importable (pip install -e . / PYTHONPATH)",
+        ) from None
+
+
+def _call(spec: ComponentSpec, *, field: str, builtins: Mapping[str, Callable[..., Any]]) -> Any:
+    factory = resolve_callable(spec.name, field=f"{field}.name", builtins=builtins)
+    try:
+        return factory(**spec.args)
+    except TypeError as exc:
+        raise ConfigError(
+            f"{field}: {spec.name}(**{spec.args}) failed: {exc}",
+            hint=f"check the keys under {field}.args",
+        ) from None
+
+
+def build_model(config: RunConfig) -> nn.Module:
+    """The model the config names."""
+    if config.model is None:
+        raise ConfigError("model: required", hint="add a `model:` section with `name:` and `args:`")
+    model = _call(config.model, field="model", builtins=MODELS)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model: {config.model.name} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def build_datasets(config: RunConfig) -> tuple[Dataset, Dataset | None]:
+    """The training and (optional) validation datasets, split deterministically if asked."""
+    data = config.data
+    if data.train is None:
+        raise ConfigError("data.train: required", hint="add `data: {train: {name: digits}}`")
+    train = _as_dataset(_call(data.train, field="data.train", builtins=DATASETS), "data.train")
+    if data.val is not None:
+        if data.val_fraction is not None:
+            raise ConfigError(
+                "data.val and data.val_fraction are both set",
+                hint="give a separate validation set or a fraction of train, not both",
+            )
+        return train, _as_dataset(_call(data.val, field="data.val", builtins=DATASETS), "data.val")
+    if data.val_fraction is not None:
+        return split_dataset(train, data.val_fraction, seed=data.split_seed)
+    return train, None
+
+
+def _as_dataset(value: Any, field: str) -> Dataset:
+    if isinstance(value, (Dataset, torch.utils.data.IterableDataset)):
+        return value
+    raise DataError(
+        f"{field}: the factory returned a {type(value).__name__}, not a torch Dataset",
+        hint="return a torch.utils.data.Dataset (or stoker.ArrayDataset over your arrays)",
+    )
+
+
+def build_loss(config: RunConfig) -> nn.Module | Callable:
+    """The loss function the config names."""
+    return _call(
+        ComponentSpec(name=config.loss.name, args=config.loss.args), field="loss", builtins=LOSSES
+    )
+
+
+def build_collate_fn(config: RunConfig) -> Callable | None:
+    """The custom collate function, if the config names one."""
+    spec = config.loader.collate_fn
+    if spec is None:
+        return None
+    return resolve_callable(spec, field="loader.collate_fn", builtins={})

@@ -1,0 +1,412 @@
+"""The typed run config: pydantic models, YAML loading and ``key.sub=value`` overrides."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from stoker.errors import ConfigError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ComponentSpec(Section):
+    """A model, dataset or loss given by built-in name or as ``module:callable``."""
+
+    name: str = Field(
+        description="Built-in name, or an import path `module:callable` / `file.py:callable`."
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
+
+
+class DataConfig(Section):
+    """Where the samples come from."""
+
+    train: ComponentSpec | None = Field(None, description="The training dataset.")
+    val: ComponentSpec | None = Field(None, description="The validation dataset (optional).")
+    val_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Hold out this share of `train` for validation when `val` is not given.",
+    )
+    split_seed: int = Field(0, description="Seed of the deterministic train/val split.")
+
+
+class LoaderConfig(Section):
+    """How samples are batched and delivered (every DataLoader knob the seeds teach)."""
+
+    batch_size: PositiveInt = 64
+    val_batch_size: PositiveInt | None = Field(None, description="Defaults to `batch_size`.")
+    shuffle: bool | Literal["auto"] = Field(
+        "auto", description="`auto`: shuffle map-style training data; a stream keeps its order."
+    )
+    drop_last: bool = False
+    sampler: Literal["auto", "sequential", "random", "weighted"] = "auto"
+    weights: Literal["balanced"] | list[NonNegativeFloat] | None = Field(
+        None, description="Per-sample weights for `sampler: weighted`, or `balanced` (by class)."
+    )
+    num_workers: NonNegativeInt = 0
+    pin_memory: bool | Literal["auto"] = Field(
+        "auto", description="`auto`: on when training on CUDA."
+    )
+    persistent_workers: bool = False
+    prefetch_factor: PositiveInt | None = None
+    collate_fn: str | None = Field(None, description="Import path `module:callable`.")
+
+
+class LossConfig(Section):
+    """The loss function."""
+
+    name: str = Field(
+        "cross_entropy",
+        description=(
+            "cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1, huber, or `module:callable`."
+        ),
+    )
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimConfig(Section):
+    """The optimizer."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat | None = Field(
+        None, description="Defaults to PyTorch's default."
+    )
+    momentum: NonNegativeFloat = Field(0.9, description="SGD only.")
+    nesterov: bool = Field(False, description="SGD only.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam and AdamW only.")
+    eps: PositiveFloat = 1e-8
+    fused: bool | Literal["auto"] = Field(
+        "auto", description="`auto`: the fused kernel where PyTorch has one for the device."
+    )
+
+
+class ScheduleConfig(Section):
+    """The learning-rate schedule, stepped once per optimizer step."""
+
+    name: Literal["constant", "cosine", "step", "onecycle"] = "constant"
+    warmup_steps: NonNegativeInt = Field(0, description="Linear warmup before the schedule.")
+    total_steps: PositiveInt | None = Field(
+        None,
+        description="Horizon of cosine/onecycle after warmup; defaults to the rest of the run.",
+    )
+    min_lr: NonNegativeFloat = Field(0.0, description="Cosine floor (`eta_min`).")
+    step_size: PositiveInt = Field(1000, description="`step`: decay every this many steps.")
+    gamma: PositiveFloat = Field(0.1, description="`step`: decay factor.")
+    pct_start: float = Field(0.3, gt=0, lt=1, description="`onecycle`: share of steps rising.")
+    div_factor: PositiveFloat = Field(25.0, description="`onecycle`: initial lr = lr / div_factor.")
+    final_div_factor: PositiveFloat = Field(1e4, description="`onecycle`: final lr divisor.")
+
+
+class EarlyStoppingConfig(Section):
+    """Stop when the monitored metric stops improving."""
+
+    patience: PositiveInt = Field(5, description="Epochs without improvement before stopping.")
+    min_delta: NonNegativeFloat = Field(0.0, description="Smallest change that counts.")
+
+
+class TrainConfig(Section):
+    """The loop."""
+
+    epochs: PositiveInt = 10
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
+    grad_accum_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    clip_grad_norm: PositiveFloat | None = Field(None, description="Clip the total gradient norm.")
+    clip_grad_value: PositiveFloat | None = Field(None, description="Clip each gradient value.")
+    precision: Precision = "fp32"
+    device: str = Field(
+        "auto", description="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps."
+    )
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    task: Literal["auto", "classification", "regression"] = Field(
+        "auto", description="Which validation metrics to report; `auto` infers it from the loss."
+    )
+    monitor: str | None = Field(
+        None, description="Metric for best checkpoint and early stopping; val/loss or train/loss."
+    )
+    monitor_mode: Literal["auto", "min", "max"] = Field(
+        "auto", description="`auto`: max for accuracy, min otherwise."
+    )
+    early_stopping: EarlyStoppingConfig | None = None
+    log_every_steps: PositiveInt = Field(50, description="Steps between step-level metric records.")
+
+    @model_validator(mode="after")
+    def _one_clipping_mode(self) -> TrainConfig:
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise ValueError(
+                "clip_grad_norm and clip_grad_value are both set; choose one "
+                "(set the other to null)"
+            )
+        return self
+
+
+class CheckpointConfig(Section):
+    """End-of-epoch checkpoints."""
+
+    enabled: bool = True
+    keep_last: PositiveInt = Field(3, description="How many epoch checkpoints to keep.")
+    keep_best: bool = Field(True, description="Also keep `best.pt` by the monitored metric.")
+
+
+class TrackingConfig(Section):
+    """Where the run writes."""
+
+    run_dir: str | None = Field(None, description="Defaults to `<runs_root>/<name>-<timestamp>`.")
+    runs_root: str = "runs"
+    tensorboard: bool | Literal["auto"] = Field(
+        "auto", description="TensorBoard event files under `tb/`; `auto`: when installed."
+    )
+
+
+class RunConfig(Section):
+    """One training run."""
+
+    name: str = "run"
+    seed: int = 0
+    model: ComponentSpec | None = None
+    data: DataConfig = DataConfig()
+    loader: LoaderConfig = LoaderConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples), as written to `config.yaml` and checkpoints."""
+        return _plain(self.model_dump(mode="json"))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --- validation with errors for people -------------------------------------------------
+
+
+def validate_config(raw: Mapping[str, Any], *, source: str = "config") -> RunConfig:
+    """Validate a raw mapping, reporting every problem at once with its field path."""
+    try:
+        return RunConfig.model_validate(dict(raw))
+    except ValidationError as exc:
+        problems = [_describe(error) for error in exc.errors()]
+        raise ConfigError(
+            f"{source} has {len(problems)} problem{'s' * (len(problems) != 1)}:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        ) from None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    path = ".".join(str(part) for part in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        parent = _section_at(loc[:-1])
+        known = sorted(parent.model_fields) if parent is not None else []
+        hint = _suggest(str(loc[-1]), known)
+        return f"{path}: unknown key{hint}; known keys here: {', '.join(known)}"
+    given = error.get("input")
+    message = error["msg"]
+    if isinstance(given, (str, int, float, bool)) or given is None:
+        return f"{path}: {message} (given: {given!r})"
+    return f"{path}: {message}"
+
+
+def _section_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The pydantic model a location points into, for listing its known keys."""
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        nested = _model_in(field.annotation)
+        if nested is None:
+            return None
+        model = nested
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --- loading and overrides -------------------------------------------------------------
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"config file not found: {path}",
+            hint="check the path; the reference config is examples/digits.yaml",
+        )
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides; values are parsed as YAML, so types follow the schema.
+
+    Args:
+        raw: The config mapping to start from (not modified).
+        overrides: Strings such as ``train.epochs=2`` or ``optim.betas=[0.9,0.95]``.
+    """
+    result = _deep_copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"override {item!r} is not of the form key.sub=value",
+                hint="for example: train.epochs=2 loader.batch_size=128",
+            )
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        parts = key.strip().split(".")
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load, override and validate a run config file."""
+    raw = apply_overrides(load_yaml(path), overrides)
+    config = validate_config(raw, source=str(path))
+    return _resolve_relative_paths(config, Path(path).parent)
+
+
+def _resolve_relative_paths(config: RunConfig, base: Path) -> RunConfig:
+    """Make `file.py:callable` specs relative to the config file, as a reader expects."""
+
+    def fix(spec: ComponentSpec | None) -> ComponentSpec | None:
+        if spec is None:
+            return None
+        module, sep, attr = spec.name.partition(":")
+        if sep and module.endswith(".py") and not Path(module).is_absolute():
+            candidate = base / module
+            if candidate.is_file():
+                return spec.model_copy(update={"name": f"{candidate}:{attr}"})
+        return spec
+
+    data = config.data.model_copy(
+        update={"train": fix(config.data.train), "val": fix(config.data.val)}
+    )
+    return config.model_copy(update={"model": fix(config.model), "data": data})
+
+
+def write_config(config: RunConfig, path: str | Path) -> None:
+    """Write the resolved config (every default filled in) as YAML."""
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+# --- flat keyword options for stoker.fit -----------------------------------------------
+
+#: Sections whose fields can be given to ``stoker.fit`` as flat keyword options.
+_FLAT_SECTIONS = ("train", "loader", "optim", "schedule", "checkpoint", "tracking", "data")
+#: The ``name`` fields get the word a user would say instead.
+_NAME_ALIASES = {"optim": "optimizer", "schedule": "schedule", "loss": "loss"}
+
+
+def _flat_option_paths() -> dict[str, tuple[str, str]]:
+    paths: dict[str, tuple[str, str]] = {"seed": ("", "seed"), "name": ("", "name")}
+    for section in (*_FLAT_SECTIONS, "loss"):
+        model = RunConfig.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for field in model.model_fields:
+            if section == "data" and field in ("train", "val"):
+                continue
+            option = _NAME_ALIASES.get(section, field) if field == "name" else field
+            if section == "loss" and field == "args":
+                option = "loss_args"
+            assert option not in paths, f"flat option {option!r} is ambiguous"
+            paths[option] = (section, field)
+    return paths
+
+
+FLAT_OPTIONS: dict[str, tuple[str, str]] = _flat_option_paths()
+
+
+def config_from_options(options: Mapping[str, Any]) -> RunConfig:
+    """Build a RunConfig from ``stoker.fit``'s flat keyword options (``epochs=3, lr=1e-2``)."""
+    raw: dict[str, Any] = {}
+    unknown = []
+    for option, value in options.items():
+        if option not in FLAT_OPTIONS:
+            unknown.append(f"  - {option}: unknown option{_suggest(option, FLAT_OPTIONS)}")
+            continue
+        section, field = FLAT_OPTIONS[option]
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if section:
+            raw.setdefault(section, {})[field] = value
+        else:
+            raw[field] = value
+    if unknown:
+        raise ConfigError(
+            "stoker.fit got unknown options:\n" + "\n".join(unknown),
+            hint="see `stoker.config.FLAT_OPTIONS` for every option and the config key it sets",
+        )
+    return validate_config(raw, source="stoker.fit options")

@@ -1,0 +1,271 @@
+"""Datasets over in-memory arrays that fetch whole batches at once, and train/val splits."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
+
+from stoker.errors import ConfigError, DataError
+
+__all__ = ["ArrayDataset", "dataset_targets", "split_dataset"]
+
+ArrayLike = torch.Tensor | np.ndarray
+
+
+def _field_label(position: int, names: Sequence[str] | None) -> str:
+    if names is not None:
+        return f"field {names[position]!r} (position {position})"
+    return f"field {position}"
+
+
+def _to_tensor(array: Any, label: str) -> torch.Tensor:
+    """Turn one field into a tensor, sharing memory with a numpy array when possible."""
+    if isinstance(array, torch.Tensor):
+        tensor = array
+    elif isinstance(array, np.ndarray):
+        if array.dtype.kind not in "biufc":
+            raise DataError(
+                f"ArrayDataset {label} is a numpy array of dtype {array.dtype} "
+                f"(kind {array.dtype.kind!r}); expected numbers or booleans.",
+                hint="encode the field as numbers first, e.g. class ids with "
+                "numpy.unique(values, return_inverse=True)[1], or keep text outside the "
+                "ArrayDataset and tokenize it in a Dataset of your own",
+            )
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        try:
+            # The dataset only reads its arrays, so the read-only warning is noise.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                tensor = torch.from_numpy(array)
+        except ValueError:
+            # Negative strides (e.g. a[::-1]) cannot be shared; one copy fixes it.
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as error:
+            raise DataError(
+                f"ArrayDataset {label} has numpy dtype {array.dtype}, which torch cannot hold.",
+                hint="convert it first, e.g. array.astype(numpy.float32)",
+            ) from error
+    else:
+        raise DataError(
+            f"ArrayDataset {label} is a {type(array).__name__}; "
+            "expected a torch.Tensor or a numpy.ndarray.",
+            hint="wrap it with numpy.asarray(...) or torch.as_tensor(...)",
+        )
+    if tensor.dim() == 0:
+        raise DataError(
+            f"ArrayDataset {label} is a scalar (0-d); expected an array whose first "
+            "dimension indexes the samples.",
+            hint="give one value per sample, e.g. a 1-D array of labels",
+        )
+    return tensor
+
+
+class ArrayDataset(Dataset):
+    """Samples stored as rows of tensors that share their first dimension.
+
+    Like ``TensorDataset``, but ``__getitems__`` gathers a whole batch with one index
+    operation per field, so a DataLoader built with :func:`stoker.data.build_loader`
+    does no per-sample Python work. Numpy arrays are shared with ``torch.from_numpy``
+    (no copy); the dataset never writes to its arrays.
+
+    Example:
+        >>> ds = ArrayDataset(features, labels, names=["x", "y"])
+        >>> x_batch, y_batch = ds.__getitems__([0, 5, 7])
+    """
+
+    #: ``__getitems__`` returns one collated batch, not a list of samples.
+    returns_batches = True
+
+    def __init__(self, *arrays: ArrayLike, names: Sequence[str] | None = None) -> None:
+        """Build the dataset.
+
+        Args:
+            *arrays: One tensor or numpy array per field (features, labels, metadata...),
+                each with one row per sample.
+            names: Optional field names, one per array, used in messages.
+
+        Raises:
+            DataError: No arrays, a field that is not numeric, or lengths that differ.
+        """
+        if not arrays:
+            raise DataError(
+                "ArrayDataset got no arrays; expected at least one (e.g. features, labels).",
+                hint="call ArrayDataset(features, labels)",
+            )
+        if names is not None:
+            names = tuple(str(name) for name in names)
+            if len(names) != len(arrays):
+                raise DataError(
+                    f"ArrayDataset got {len(names)} names {list(names)} for {len(arrays)} "
+                    "arrays; expected one name per array.",
+                    hint=f"pass exactly {len(arrays)} names",
+                )
+            if len(set(names)) != len(names):
+                raise DataError(
+                    f"ArrayDataset names {list(names)} contain duplicates; expected unique names.",
+                    hint="give every field its own name",
+                )
+        tensors = tuple(_to_tensor(array, _field_label(i, names)) for i, array in enumerate(arrays))
+        lengths = [t.shape[0] for t in tensors]
+        if len(set(lengths)) > 1:
+            listed = ", ".join(f"{_field_label(i, names)} has {n}" for i, n in enumerate(lengths))
+            raise DataError(
+                f"ArrayDataset fields have different numbers of samples: {listed}; "
+                "expected the same first dimension for every field.",
+                hint="make every array hold one row per sample (check for a transposed "
+                "array or a missing/extra row)",
+            )
+        self._arrays = tensors
+        self._names: tuple[str, ...] | None = names
+        self._length = lengths[0]
+        # Devices other than the CPU need the index there too (e.g. a dataset kept on GPU).
+        self._on_cpu = all(t.device.type == "cpu" for t in tensors)
+
+    @classmethod
+    def from_tensor_dataset(cls, dataset: TensorDataset) -> ArrayDataset:
+        """Wrap a ``TensorDataset``'s tensors without copying them."""
+        return cls(*dataset.tensors)
+
+    @property
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """The fields as tensors, one row per sample."""
+        return self._arrays
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """The field names, or None when none were given."""
+        return self._names
+
+    @property
+    def targets(self) -> torch.Tensor | None:
+        """The second field (the labels by convention), or None for a single field."""
+        return self._arrays[1] if len(self._arrays) > 1 else None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        i = operator.index(index)
+        if not -self._length <= i < self._length:
+            raise IndexError(
+                f"sample index {i} is out of range for an ArrayDataset of {self._length} samples"
+            )
+        return tuple(t[i] for t in self._arrays)
+
+    def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Gather the samples at ``indices`` as one batch, one index operation per field.
+
+        Args:
+            indices: Sample indices: a list, as the DataLoader's batch sampler yields
+                them, or an int64 tensor (taken without a copy).
+
+        Returns:
+            One tensor per field, each with ``len(indices)`` rows.
+        """
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        # Advanced indexing is several times faster than index_select on CPU here.
+        if self._on_cpu:
+            return tuple(t[idx] for t in self._arrays)
+        return tuple(t[idx.to(t.device)] for t in self._arrays)
+
+    def subset(self, indices: Sequence[int] | torch.Tensor) -> ArrayDataset:
+        """A new ArrayDataset holding the rows at ``indices`` (gathered once, copied)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return ArrayDataset(*self.__getitems__(idx), names=self._names)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{self._names[i] if self._names else i}: {tuple(t.shape)} {t.dtype}"
+            for i, t in enumerate(self._arrays)
+        )
+        return f"ArrayDataset({self._length} samples; {fields})"
+
+
+def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int) -> tuple[Dataset, Dataset]:
+    """Split a map-style dataset into train and validation parts, deterministically.
+
+    The permutation comes from a ``torch.Generator`` seeded with ``seed``, so the split
+    does not depend on the global RNG. Each part keeps the original sample order.
+
+    Args:
+        dataset: An ``ArrayDataset``, a ``TensorDataset`` or any map-style dataset.
+        val_fraction: Share of samples for validation, strictly between 0 and 1.
+        seed: Seed of the permutation.
+
+    Returns:
+        ``(train, val)``: ArrayDatasets for array/tensor datasets, otherwise ``Subset``s.
+
+    Raises:
+        ConfigError: ``val_fraction`` is not strictly between 0 and 1.
+        DataError: The dataset is iterable, has no length, or has fewer than 2 samples.
+    """
+    number = isinstance(val_fraction, int | float) and not isinstance(val_fraction, bool)
+    if not number or not 0.0 < val_fraction < 1.0:
+        raise ConfigError(
+            f"val_fraction must be strictly between 0 and 1; got {val_fraction!r}.",
+            hint="use a fraction such as val_fraction=0.1, or give a separate validation set",
+        )
+    if isinstance(dataset, IterableDataset):
+        raise DataError(
+            f"cannot split {type(dataset).__name__}: it is an IterableDataset (a stream), "
+            "which has no random access; expected a map-style dataset.",
+            hint="give a separate validation set instead of val_fraction",
+        )
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise DataError(
+            f"cannot split {type(dataset).__name__}: it defines no __len__.",
+            hint="define __len__ on the dataset, or give a separate validation set",
+        ) from error
+    if n < 2:
+        raise DataError(
+            f"cannot split a dataset of {n} sample(s) into train and validation; "
+            "expected at least 2.",
+            hint="give more data or a separate validation set",
+        )
+    n_val = min(max(round(n * val_fraction), 1), n - 1)
+    generator = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=generator)
+    val_idx = perm[:n_val].sort().values
+    train_idx = perm[n_val:].sort().values
+    if isinstance(dataset, TensorDataset):
+        dataset = ArrayDataset.from_tensor_dataset(dataset)
+    if isinstance(dataset, ArrayDataset):
+        return dataset.subset(train_idx), dataset.subset(val_idx)
+    return Subset(dataset, train_idx.tolist()), Subset(dataset, val_idx.tolist())
+
+
+def dataset_targets(dataset: Dataset) -> torch.Tensor | None:
+    """The labels of ``dataset`` if they are known without reading every sample.
+
+    Known for ``ArrayDataset`` (second field), ``TensorDataset`` (second tensor),
+    ``Subset`` of a dataset with known labels, and any dataset with a ``targets``
+    attribute that converts to a tensor (as torchvision datasets have).
+
+    Returns:
+        One label per sample, or None when the labels are not cheaply known.
+    """
+    if isinstance(dataset, Subset):
+        inner = dataset_targets(dataset.dataset)
+        if inner is None:
+            return None
+        return inner[torch.as_tensor(dataset.indices, dtype=torch.long)]
+    if isinstance(dataset, TensorDataset):
+        return dataset.tensors[1] if len(dataset.tensors) > 1 else None
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return None
+    if isinstance(targets, torch.Tensor):
+        return targets
+    try:
+        return torch.as_tensor(np.asarray(targets))
+    except (TypeError, ValueError, RuntimeError):
+        return None

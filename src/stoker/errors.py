@@ -1,0 +1,41 @@
+"""The exceptions stoker raises for people: what was given, what was expected, the fix."""
+
+from __future__ import annotations
+
+
+class StokerError(Exception):
+    """Base of every user-facing stoker error.
+
+    The CLI prints ``str(error)`` (and the hint) without a traceback unless ``--debug``
+    is given, and exits with ``exit_code``.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  fix: {self.hint}"
+        return self.message
+
+
+class ConfigError(StokerError):
+    """The run config (file, overrides or keyword options) is invalid."""
+
+    exit_code = 2
+
+
+class DataError(StokerError):
+    """A dataset, a sample or a batch is missing, malformed or does not fit the model."""
+
+
+class CheckpointError(StokerError):
+    """A checkpoint cannot be written, found, verified or loaded safely."""
+
+
+class TrainingError(StokerError):
+    """Training cannot continue (a non-finite loss, a diverged run)."""

@@ -1,0 +1,341 @@
+"""What the user sees while a run trains: progress bars, epoch summary lines, messages."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from collections.abc import Mapping
+from typing import Literal, Protocol, TextIO, runtime_checkable
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.progress import Progress as RichBar
+from rich.text import Text
+
+from stoker.errors import ConfigError
+
+__all__ = [
+    "PlainProgress",
+    "Progress",
+    "QuietProgress",
+    "RichProgress",
+    "build_progress",
+    "format_epoch_summary",
+]
+
+ProgressMode = Literal["auto", "rich", "plain", "quiet"]
+_MODES: tuple[str, ...] = ("auto", "rich", "plain", "quiet")
+
+# Within train/* and val/*, these come first, in this order; the rest follow sorted.
+_LEADING_NAMES = ("loss", "accuracy")
+_PLACEHOLDER = "-"
+
+
+@runtime_checkable
+class Progress(Protocol):
+    """Reports a run's progress to the user.
+
+    ``epoch`` is the number shown to the user (``epoch 3/10``), so callers pass it 1-based.
+    """
+
+    def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
+        """Begins showing an epoch of ``total_steps`` steps (``None`` when unknown)."""
+        ...
+
+    def advance(
+        self,
+        steps: int = 1,
+        *,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+    ) -> None:
+        """Counts ``steps`` more steps done; updates the live values that are given.
+
+        Callers pass ``loss`` only every few steps: reading it is a CPU–GPU sync.
+        """
+        ...
+
+    def end_epoch(self, epoch: int, summary: Mapping[str, float]) -> None:
+        """Ends the epoch and shows its summary line."""
+        ...
+
+    def message(self, text: str) -> None:
+        """Shows one line to the user, e.g. where the run dir is."""
+        ...
+
+    def close(self) -> None:
+        """Stops any live display."""
+        ...
+
+
+def format_epoch_summary(epoch: int, epochs: int | None, summary: Mapping[str, float]) -> str:
+    """Formats the one-line summary of an epoch.
+
+    Keys come in a stable order: ``train/*``, ``val/*`` (each with ``loss`` then
+    ``accuracy`` first), ``lr``, ``time/*``, ``throughput/*``, then any other key
+    sorted by name. Every numeric value is shown; strings and the ``epoch`` key (already
+    in the heading) are not.
+
+    Example: ``epoch 3/10  train/loss 0.1234  val/loss 0.1500  time 0.84s  5123 samples/s``.
+
+    Args:
+        epoch: The epoch number as shown to the user.
+        epochs: The number of epochs of the run, or ``None`` when open-ended.
+        summary: The epoch's metrics, keyed ``group/name``.
+
+    Returns:
+        The line, without a trailing newline.
+    """
+    head = f"epoch {epoch}/{epochs}" if epochs is not None else f"epoch {epoch}"
+    shown = [
+        (key, value)
+        for key, value in summary.items()
+        if key != "epoch" and not isinstance(value, str)
+    ]
+    shown.sort(key=lambda item: _order_key(item[0]))
+    return "  ".join([head, *(_format_item(key, value) for key, value in shown)])
+
+
+def _order_key(key: str) -> tuple[int, int, str]:
+    group, _, name = key.partition("/")
+    if key == "lr":
+        return (2, 0, "")
+    if key == "time/epoch_s":
+        return (3, 0, "")
+    if key == "throughput/samples_per_s":
+        return (4, 0, "")
+    if group in ("train", "val"):
+        lead = _LEADING_NAMES.index(name) if name in _LEADING_NAMES else len(_LEADING_NAMES)
+        return (0 if group == "train" else 1, lead, name)
+    if group == "time":
+        return (3, 1, name)
+    if group == "throughput":
+        return (4, 1, name)
+    return (5, 0, key)
+
+
+def _format_item(key: str, value: float) -> str:
+    group, _, name = key.partition("/")
+    if key == "lr":
+        return f"lr {_format_float(float(value), spec='.2e')}"
+    if key == "time/epoch_s":
+        return f"time {_format_float(float(value), spec='.2f')}s"
+    if group == "time" and name.endswith("_s"):
+        return f"{key} {_format_float(float(value), spec='.2f')}s"
+    if group == "throughput" and name.endswith("_per_s"):
+        unit = name.removesuffix("_per_s")
+        return f"{_format_float(float(value), spec='.0f')} {unit}/s"
+    return f"{key} {_format_number(value)}"
+
+
+def _format_number(value: float) -> str:
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    value = float(value)
+    # Four decimals read well for losses and accuracies; tiny or huge values would show
+    # as 0.0000 or as a wall of digits, so they switch to scientific notation.
+    if value == 0 or not math.isfinite(value) or 1e-3 <= abs(value) < 1e6:
+        return _format_float(value, spec=".4f")
+    return _format_float(value, spec=".3e")
+
+
+def _format_float(value: float, *, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else str(value)
+
+
+class RichProgress:
+    """A rich progress bar per epoch, replaced by a summary line when the epoch ends.
+
+    The bar shows ``epoch 3/10``, the steps done of the total, the time elapsed and the
+    latest ``loss`` and ``samples/s`` the caller passed to ``advance``.
+    """
+
+    def __init__(self, console: Console | None = None) -> None:
+        """Keeps the console.
+
+        Args:
+            console: Where to draw; a default ``rich`` console (stdout) when ``None``.
+        """
+        self.console = console if console is not None else Console()
+        self._bar: RichBar | None = None
+        self._task: TaskID | None = None
+        self._epochs: int | None = None
+
+    def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
+        """Starts a new bar for ``epoch``, stopping any bar still running."""
+        self._stop_bar()
+        self._epochs = epochs
+        self._bar = RichBar(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[samples_per_s]} samples/s"),
+            console=self.console,
+            # The summary line replaces the finished bar.
+            transient=True,
+            refresh_per_second=5,
+            # A bar cannot redraw in a file or a dumb terminal, and rich would leave a
+            # blank line there instead; the summary line is all such output gets.
+            disable=not (self.console.is_interactive or self.console.is_jupyter),
+        )
+        self._task = self._bar.add_task(
+            f"epoch {epoch}/{epochs}",
+            total=total_steps,
+            loss=_PLACEHOLDER,
+            samples_per_s=_PLACEHOLDER,
+        )
+        self._bar.start()
+
+    def advance(
+        self,
+        steps: int = 1,
+        *,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+    ) -> None:
+        """Moves the bar on by ``steps``; does nothing outside an epoch."""
+        if self._bar is None or self._task is None:
+            return
+        fields: dict[str, str] = {}
+        if loss is not None:
+            fields["loss"] = _format_number(loss)
+        if samples_per_s is not None:
+            fields["samples_per_s"] = _format_float(float(samples_per_s), spec=".0f")
+        self._bar.update(self._task, advance=steps, **fields)
+
+    def end_epoch(self, epoch: int, summary: Mapping[str, float]) -> None:
+        """Removes the bar and prints the epoch's summary line."""
+        self._stop_bar()
+        line = format_epoch_summary(epoch, self._epochs, summary)
+        text = Text(line)
+        head_end = line.find("  ")
+        text.stylize("bold", 0, head_end if head_end >= 0 else len(line))
+        self.console.print(text)
+
+    def message(self, text: str) -> None:
+        """Prints ``text`` as is (no rich markup), above the bar if one is running."""
+        self.console.print(text, markup=False, highlight=False)
+
+    def close(self) -> None:
+        """Stops the bar if one is still running (e.g. after an error mid-epoch)."""
+        self._stop_bar()
+
+    def _stop_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar = None
+        self._task = None
+
+
+class PlainProgress:
+    """Plain text for logs and non-TTY output: summary lines and messages, no bar."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        """Keeps the stream.
+
+        Args:
+            stream: Where lines go; ``sys.stdout`` when ``None``.
+        """
+        self.stream = stream if stream is not None else sys.stdout
+        self._epochs: int | None = None
+
+    def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
+        """Remembers the number of epochs for the summary line; prints nothing."""
+        self._epochs = epochs
+
+    def advance(
+        self,
+        steps: int = 1,
+        *,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+    ) -> None:
+        """Does nothing: a log gets one line per epoch, not one per step."""
+
+    def end_epoch(self, epoch: int, summary: Mapping[str, float]) -> None:
+        """Writes the epoch's summary line."""
+        self._write(format_epoch_summary(epoch, self._epochs, summary))
+
+    def message(self, text: str) -> None:
+        """Writes ``text`` as one line."""
+        self._write(text)
+
+    def close(self) -> None:
+        """Flushes the stream; it stays open (the caller owns it)."""
+        self.stream.flush()
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        # Flushed per line so that `tail -f` on a redirected log keeps up.
+        self.stream.flush()
+
+
+class QuietProgress:
+    """Shows nothing at all, messages included (``--quiet``, non-zero ranks)."""
+
+    def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
+        """Does nothing."""
+
+    def advance(
+        self,
+        steps: int = 1,
+        *,
+        loss: float | None = None,
+        samples_per_s: float | None = None,
+    ) -> None:
+        """Does nothing."""
+
+    def end_epoch(self, epoch: int, summary: Mapping[str, float]) -> None:
+        """Does nothing."""
+
+    def message(self, text: str) -> None:
+        """Does nothing."""
+
+    def close(self) -> None:
+        """Does nothing."""
+
+
+def build_progress(mode: ProgressMode = "auto", *, stream: TextIO | None = None) -> Progress:
+    """Builds the progress display.
+
+    Args:
+        mode: ``"rich"`` draws bars, ``"plain"`` writes summary lines only, ``"quiet"``
+            shows nothing, ``"auto"`` is rich on a terminal and plain otherwise.
+        stream: Where to write; ``sys.stdout`` when ``None``.
+
+    Returns:
+        The progress display.
+
+    Raises:
+        ConfigError: ``mode`` is not one of the four above.
+    """
+    stream = stream if stream is not None else sys.stdout
+    if mode == "auto":
+        mode = "rich" if _isatty(stream) else "plain"
+    if mode == "rich":
+        return RichProgress(Console(file=stream))
+    if mode == "plain":
+        return PlainProgress(stream)
+    if mode == "quiet":
+        return QuietProgress()
+    raise ConfigError(
+        f"progress mode {mode!r} is not known; expected one of {', '.join(_MODES)}",
+        hint="pass mode='auto' (bars on a terminal, plain lines otherwise)",
+    )
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        # No isatty (a custom writer) or a closed stream: not a terminal.
+        return False

@@ -1,0 +1,43 @@
+"""Validation: the model over a loader under ``torch.inference_mode``, with task metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from stoker.data.device import move_to_device
+from stoker.train.batch import batch_size_of, forward, split_batch
+from stoker.train.metrics import Task, TaskMetrics
+from stoker.train.precision import Precision
+
+
+def evaluate(
+    model: nn.Module,
+    loader: Iterable,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    device: torch.device,
+    precision: Precision,
+    task: Task | None,
+    prefix: str = "val",
+) -> dict[str, float]:
+    """Loss and, by task, accuracy (classification) or MSE and MAE (regression).
+
+    The model is put back in training mode afterwards if it was in it.
+    """
+    was_training = model.training
+    model.eval()
+    metrics = TaskMetrics(task)
+    try:
+        with torch.inference_mode():
+            for batch in loader:
+                inputs, targets = split_batch(move_to_device(batch, device))
+                with precision.autocast():
+                    outputs = forward(model, inputs)
+                    loss = loss_fn(outputs, targets)
+                metrics.update(outputs, targets, loss, batch_size_of(targets))
+    finally:
+        model.train(was_training)
+    return metrics.compute(prefix)

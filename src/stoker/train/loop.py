@@ -1,0 +1,291 @@
+"""The training loop: one step reads top to bottom in the order data flows."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from stoker.data.device import move_to_device
+from stoker.errors import TrainingError
+from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
+from stoker.train.evaluate import evaluate
+from stoker.train.grads import GradClipper, first_nonfinite_grad
+from stoker.train.metrics import Task, TaskMetrics
+from stoker.train.precision import Precision
+from stoker.train.state import TrainState
+
+
+class EpochEndHook(Protocol):
+    """Called after each epoch's record is written (checkpointing)."""
+
+    def __call__(self, loop: Loop, record: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Monitor:
+    """The metric that picks the best epoch and drives early stopping."""
+
+    metric: str
+    mode: Literal["min", "max"]
+    patience: int | None = None
+    min_delta: float = 0.0
+
+    def improved(self, value: float, best: float | None) -> bool:
+        if math.isnan(value):
+            return False
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
+
+
+@dataclass
+class Loop:
+    """Everything the loop touches, built from config by ``stoker.train.session``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    clipper: GradClipper
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_name: str
+    task: Task | None
+    train_loader: Any
+    val_loader: Any | None
+    device: torch.device
+    state: TrainState
+    sink: Any
+    progress: Any
+    monitor: Monitor
+    on_epoch_end: EpochEndHook
+    epochs: int
+    max_steps: int | None = None
+    grad_accum_steps: int = 1
+    log_every_steps: int = 50
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped_early: bool = False
+
+    def finished(self) -> bool:
+        return self.state.epoch >= self.epochs or self.out_of_steps()
+
+    def out_of_steps(self) -> bool:
+        return self.max_steps is not None and self.state.step >= self.max_steps
+
+
+@dataclass
+class StepWindow:
+    """Sums since the last step-level record, kept on the device (no per-step sync)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    steps: int = 0
+    samples: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, device: torch.device) -> StepWindow:
+        return cls(torch.zeros((), device=device), torch.zeros((), device=device))
+
+
+def train_step(
+    loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
+) -> float | None:
+    """One optimizer step over ``grad_accum_steps`` micro-batches.
+
+    Returns the seconds spent waiting for data, or None when the epoch has no batches left.
+    """
+    state = loop.state
+    # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
+    fetch_started = time.perf_counter()
+    micro_batches = list(islice(batches, loop.grad_accum_steps))
+    data_wait_s = time.perf_counter() - fetch_started
+    if not micro_batches:
+        return None
+    sizes = [batch_size_of(split_batch(batch)[1]) for batch in micro_batches]
+    step_samples = sum(sizes)
+    step_loss = torch.zeros((), device=loop.device)
+
+    for batch, size in zip(micro_batches, sizes, strict=True):
+        # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
+        inputs, targets = split_batch(move_to_device(batch, loop.device, non_blocking=True))
+        # 3. Forward and 4. loss, in the run's precision.
+        with loop.precision.autocast():
+            outputs = forward(loop.model, inputs)
+            loss = _loss(loop, outputs, targets)
+        # 5. Backward. Weighting by samples makes the accumulated gradient that of one
+        # batch of `step_samples`, also for a smaller last micro-batch or group.
+        loop.precision.backward(loss * (size / step_samples))
+        metrics.update(outputs, targets, loss, size)
+        step_loss += loss.detach().float() * (size / step_samples)
+        state.micro_step += 1
+
+    # 6. Unscale (fp16) so the norm is the true one, measure it, clip.
+    loop.precision.unscale_(loop.optimizer)
+    grad_norm = loop.clipper.clip_(loop.model.parameters())
+    _halt_on_nonfinite(loop, step_loss, grad_norm)  # CPU–GPU sync point, once per step.
+
+    # 7. Optimizer step (the scaler skips it if an fp16 gradient overflowed), clear grads.
+    loop.precision.step(loop.optimizer)
+    loop.optimizer.zero_grad(set_to_none=True)
+    # 8. Schedule: the lr moves once per optimizer step.
+    loop.scheduler.step()
+
+    # 9. Record, on the device; read only every `log_every_steps`.
+    state.step += 1
+    state.samples_seen += step_samples
+    window.loss += step_loss
+    window.grad_norm += grad_norm.detach().float().to(loop.device)
+    window.steps += 1
+    window.samples += step_samples
+    return data_wait_s
+
+
+def _loss(loop: Loop, outputs: Any, targets: Any) -> torch.Tensor:
+    try:
+        return loop.loss_fn(outputs, targets)
+    except (RuntimeError, ValueError, IndexError) as error:
+        raise explain_loss_failure(error, outputs, targets, loss_name=loop.loss_name) from error
+
+
+def _halt_on_nonfinite(loop: Loop, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    loss_ok, norm_ok = torch.isfinite(torch.stack([step_loss, grad_norm.float()])).tolist()
+    if loss_ok and (norm_ok or loop.precision.scaling):
+        # With fp16 loss scaling an overflowing gradient is expected now and then:
+        # the scaler skips that step and lowers the scale.
+        return
+    where = first_nonfinite_grad(loop.model)
+    step = loop.state.step + 1
+    what = "loss" if not loss_ok else "gradient"
+    raise TrainingError(
+        f"non-finite {what} at step {step} (epoch {loop.state.epoch}): loss={step_loss.item()}, "
+        f"grad norm={grad_norm.item()}; first parameter with a non-finite gradient: "
+        f"{where or 'none (the loss itself is not finite)'}",
+        hint="lower optim.lr, set train.clip_grad_norm, or check the data for NaN/inf values",
+    )
+
+
+def train_epoch(loop: Loop) -> dict[str, Any]:
+    """Train one epoch (or up to ``max_steps``); returns the epoch's train metrics."""
+    state = loop.state
+    loop.train_loader.set_epoch(state.epoch)
+    loop.model.train()
+    metrics = TaskMetrics(loop.task)
+    window = StepWindow.empty(loop.device)
+    epoch_norm_sum = torch.zeros((), device=loop.device)
+    data_wait_s = 0.0
+    steps = 0
+    started = time.perf_counter()
+    loop.progress.start_epoch(
+        state.epoch + 1, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
+    )
+    batches = iter(loop.train_loader)
+    while not loop.out_of_steps():
+        waited = train_step(loop, batches, metrics, window)
+        if waited is None:
+            break
+        data_wait_s += waited
+        steps += 1
+        if window.steps >= loop.log_every_steps:
+            epoch_norm_sum += window.grad_norm
+            _record_window(loop, window)
+            window = StepWindow.empty(loop.device)
+        else:
+            loop.progress.advance(1)
+    epoch_norm_sum += window.grad_norm
+    epoch_s = time.perf_counter() - started
+    record = metrics.compute("train")
+    record.update(
+        {
+            "lr": loop.scheduler.get_last_lr()[0],
+            "grad/norm": epoch_norm_sum.item() / max(steps, 1),
+            "time/epoch_s": epoch_s,
+            "time/data_wait_s": data_wait_s,
+            "throughput/samples_per_s": metrics.samples / epoch_s if epoch_s > 0 else 0.0,
+        }
+    )
+    if loop.clipper.max_norm is not None or loop.clipper.max_value is not None:
+        record["grad/clip_rate"] = loop.clipper.clipped_steps.item() / max(state.step, 1)
+    return record
+
+
+def _steps_per_epoch(loop: Loop) -> int | None:
+    try:
+        return math.ceil(len(loop.train_loader) / loop.grad_accum_steps)
+    except TypeError:
+        return None
+
+
+def _record_window(loop: Loop, window: StepWindow) -> None:
+    """A step-level record: mean loss and grad norm since the last one (a sync point)."""
+    loss = window.loss.item() / window.steps
+    elapsed = time.perf_counter() - window.started
+    samples_per_s = window.samples / elapsed if elapsed > 0 else 0.0
+    loop.sink.log(
+        {
+            "epoch": loop.state.epoch,
+            "step": loop.state.step,
+            "train/loss": loss,
+            "lr": loop.scheduler.get_last_lr()[0],
+            "grad/norm": window.grad_norm.item() / window.steps,
+            "throughput/samples_per_s": samples_per_s,
+        }
+    )
+    loop.progress.advance(1, loss=loss, samples_per_s=samples_per_s)
+
+
+def run(loop: Loop) -> list[dict[str, Any]]:
+    """Train until the epochs or steps run out or early stopping fires; returns the history."""
+    state = loop.state
+    while not loop.finished() and not loop.stopped_early:
+        record: dict[str, Any] = {"epoch": state.epoch}
+        record.update(train_epoch(loop))
+        if loop.val_loader is not None:
+            record.update(
+                evaluate(
+                    loop.model,
+                    loop.val_loader,
+                    loop.loss_fn,
+                    device=loop.device,
+                    precision=loop.precision,
+                    task=loop.task,
+                )
+            )
+        record["step"] = state.step
+        _update_monitor(loop, record)
+        loop.sink.log(record)
+        loop.progress.end_epoch(state.epoch + 1, record)
+        loop.history.append(record)
+        state.epoch += 1
+        loop.on_epoch_end(loop, record)
+    return loop.history
+
+
+def _update_monitor(loop: Loop, record: dict[str, Any]) -> None:
+    state, monitor = loop.state, loop.monitor
+    if monitor.metric not in record:
+        raise TrainingError(
+            f"train.monitor: metric {monitor.metric!r} was not produced; "
+            f"this run records {', '.join(sorted(k for k in record if '/' in k))}",
+            hint="set train.monitor to one of those",
+        )
+    value = float(record[monitor.metric])
+    if monitor.improved(value, state.best_value):
+        state.best_value, state.best_epoch = value, state.epoch
+        state.epochs_without_improvement = 0
+    else:
+        state.epochs_without_improvement += 1
+    if monitor.patience is not None and state.epochs_without_improvement >= monitor.patience:
+        loop.stopped_early = True
+        loop.progress.message(
+            f"early stopping: {monitor.metric} has not improved for {monitor.patience} "
+            f"epochs (best {state.best_value:.4f} at epoch {state.best_epoch})"
+        )

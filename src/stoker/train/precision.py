@@ -1,0 +1,79 @@
+"""Autocast and GradScaler as one object; a no-op when training in fp32."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stoker.config import Precision as PrecisionName
+from stoker.errors import ConfigError
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Maps one-to-one onto ``torch.autocast`` and ``torch.amp.GradScaler``.
+
+    fp32: autocast is a null context and the scaler is disabled (``scale`` returns the
+    loss, ``step`` calls ``optimizer.step()``). bf16: autocast only — bf16 has fp32's
+    exponent range, so no scaling. fp16: autocast plus dynamic loss scaling.
+    """
+
+    def __init__(self, name: PrecisionName, device: torch.device) -> None:
+        if name not in _DTYPES:
+            raise ConfigError(f"train.precision: {name!r} is not one of fp32, bf16, fp16")
+        if name == "fp16" and device.type == "mps":
+            raise ConfigError(
+                "train.precision: fp16 loss scaling is not supported on mps",
+                hint="set train.precision=bf16 or fp32",
+            )
+        self.name = name
+        self.device = device
+        self.dtype = _DTYPES[name]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
+
+    @property
+    def scaling(self) -> bool:
+        """Whether gradients are scaled (fp16), so a non-finite gradient may be a skip."""
+        return self.scaler.is_enabled()
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the forward pass and loss in the reduced dtype (nothing in fp32)."""
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the scaler when scaling."""
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale in place, so clipping sees true norms."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` (skipped by the scaler when a gradient is inf/NaN), then update."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def loss_scale(self) -> float | None:
+        """The current loss scale (a CPU–GPU sync point), or None when not scaling."""
+        return float(self.scaler.get_scale()) if self.scaling else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ConfigError(
+                f"train.precision: the checkpoint was trained with {state.get('name')!r}, "
+                f"this run asks for {self.name!r}",
+                hint=f"set train.precision={state.get('name')} to resume it",
+            )
+        self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,305 @@
+"""One run from start to end: build the pieces from config, resume, loop, export."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from stoker import components
+from stoker.checkpoint import (
+    Checkpointer,
+    export_safetensors,
+    find_latest,
+    load_checkpoint,
+)
+from stoker.config import RunConfig, write_config
+from stoker.data.device import resolve_device
+from stoker.data.loader import build_loader
+from stoker.errors import CheckpointError, ConfigError
+from stoker.observe.progress import build_progress
+from stoker.observe.sinks import build_sinks
+from stoker.train.grads import GradClipper
+from stoker.train.loop import Loop, Monitor, run
+from stoker.train.metrics import Task
+from stoker.train.optim import build_optimizer, build_scheduler
+from stoker.train.precision import Precision
+from stoker.train.rundir import create_run_dir
+from stoker.train.state import TrainState, capture_rng_state, restore_rng_state, seed_everything
+
+logger = logging.getLogger("stoker")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What a run produced.
+
+    Attributes:
+        metrics: The last epoch's record (``train/loss``, ``val/accuracy``, ...).
+        history: One record per epoch, oldest first (including epochs before a resume).
+        run_dir: The folder the run wrote.
+        model: The trained model (the plain module, not a compiled wrapper).
+        best_value: The best value of the monitored metric, and ``best_epoch`` its epoch.
+        stopped_early: Whether early stopping ended the run.
+    """
+
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]]
+    run_dir: Path
+    model: nn.Module
+    monitor: str
+    best_value: float | None
+    best_epoch: int | None
+    stopped_early: bool
+
+
+@dataclass(frozen=True)
+class UserComponents:
+    """Python objects given to ``stoker.fit`` instead of config names."""
+
+    model: nn.Module | None = None
+    train_data: Dataset | None = None
+    val_data: Dataset | None = None
+    loss_fn: Callable | None = None
+    collate_fn: Callable | None = None
+
+
+def train_run(
+    config: RunConfig,
+    *,
+    user: UserComponents = UserComponents(),
+    resume: str | Path | None = None,
+    progress: str = "auto",
+    resume_hint: str | None = None,
+) -> FitResult:
+    """Train one run described by ``config``; ``user`` objects take the place of config names.
+
+    Args:
+        config: The validated run config.
+        user: Components given as Python objects.
+        resume: A run dir (or checkpoint file) to continue from.
+        progress: ``auto``, ``rich``, ``plain`` or ``quiet``.
+        resume_hint: The command that resumes this run, shown at the end.
+    """
+    seed_everything(config.seed)
+    device = resolve_device(config.train.device)
+    model = user.model if user.model is not None else components.build_model(config)
+    if user.train_data is not None:
+        train_data, val_data = user.train_data, user.val_data
+    else:
+        train_data, val_data = components.build_datasets(config)
+    loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
+    collate_fn = user.collate_fn or components.build_collate_fn(config)
+
+    loader_cfg = config.loader
+    train_loader = build_loader(
+        train_data,
+        batch_size=loader_cfg.batch_size,
+        shuffle=_shuffle(loader_cfg.shuffle, train_data),
+        drop_last=loader_cfg.drop_last,
+        sampler=loader_cfg.sampler,
+        weights=loader_cfg.weights,
+        num_workers=loader_cfg.num_workers,
+        pin_memory=loader_cfg.pin_memory,
+        persistent_workers=loader_cfg.persistent_workers,
+        prefetch_factor=loader_cfg.prefetch_factor,
+        collate_fn=collate_fn,
+        seed=config.seed,
+        device=device,
+    )
+    val_loader = None
+    if val_data is not None:
+        val_loader = build_loader(
+            val_data,
+            batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
+            num_workers=loader_cfg.num_workers,
+            pin_memory=loader_cfg.pin_memory,
+            persistent_workers=loader_cfg.persistent_workers,
+            prefetch_factor=loader_cfg.prefetch_factor,
+            collate_fn=collate_fn,
+            seed=config.seed,
+            device=device,
+        )
+
+    model.to(device)
+    optimizer = build_optimizer(model, config.optim, device=device)
+    scheduler = build_scheduler(
+        optimizer, config.schedule, total_steps=_total_steps(config, train_loader)
+    )
+    precision = Precision(config.train.precision, device)
+    state = TrainState()
+    monitor = _monitor(config, has_val=val_loader is not None)
+
+    run_dir = _run_dir(config, resume)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        keep_last=config.checkpoint.keep_last,
+        keep_best=config.checkpoint.keep_best,
+        monitor=monitor.metric,
+        mode=monitor.mode,
+    )
+    history: list[dict[str, Any]] = []
+    if resume is not None:
+        bundle = _load_resume_bundle(resume)
+        model.load_state_dict(bundle["model"])
+        optimizer.load_state_dict(bundle["optimizer"])
+        scheduler.load_state_dict(bundle["scheduler"])
+        precision.load_state_dict(bundle["precision"])
+        state.load_state_dict(bundle["train_state"])
+        checkpointer.load_state_dict(bundle["checkpointer"])
+        history = list(bundle.get("history", []))
+        # Last, so nothing built above consumes random numbers after the restore.
+        restore_rng_state(bundle["rng"])
+    write_config(config, run_dir / "config.yaml")
+
+    called_model = torch.compile(model) if config.train.compile else model
+    sink = build_sinks(run_dir, tensorboard=config.tracking.tensorboard)
+    view = build_progress(progress)  # type: ignore[arg-type]
+    if resume is not None:
+        view.message(f"resuming {run_dir} after epoch {state.epoch} (step {state.step})")
+
+    def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
+        if not config.checkpoint.enabled:
+            return
+        bundle = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "precision": precision.state_dict(),
+            "train_state": state.state_dict(),
+            "checkpointer": checkpointer.state_dict(),
+            "history": loop.history,
+            "rng": capture_rng_state(),
+            "config": config.to_dict(),
+        }
+        checkpointer.save(bundle, epoch=record["epoch"], step=state.step, metrics=record)
+
+    loop = Loop(
+        model=called_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        clipper=GradClipper(
+            max_norm=config.train.clip_grad_norm, max_value=config.train.clip_grad_value
+        ),
+        loss_fn=loss_fn,
+        loss_name=config.loss.name,
+        task=_task(config),
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=device,
+        state=state,
+        sink=sink,
+        progress=view,
+        monitor=monitor,
+        on_epoch_end=save_checkpoint,
+        epochs=config.train.epochs,
+        max_steps=config.train.max_steps,
+        grad_accum_steps=config.train.grad_accum_steps,
+        log_every_steps=config.train.log_every_steps,
+        history=history,
+    )
+    try:
+        run(loop)
+        export_safetensors(model, run_dir / "model.safetensors")
+    finally:
+        sink.close()
+    _say_where(view, run_dir, resume_hint)
+    view.close()
+    return FitResult(
+        metrics=loop.history[-1] if loop.history else {},
+        history=loop.history,
+        run_dir=run_dir,
+        model=model,
+        monitor=monitor.metric,
+        best_value=state.best_value,
+        best_epoch=state.best_epoch,
+        stopped_early=loop.stopped_early,
+    )
+
+
+def _shuffle(setting: bool | str, dataset: Dataset) -> bool:
+    if setting == "auto":
+        return not isinstance(dataset, IterableDataset)
+    return bool(setting)
+
+
+def _total_steps(config: RunConfig, loader: Any) -> int:
+    """Optimizer steps in the whole run, the horizon of decaying schedules."""
+    try:
+        per_epoch = math.ceil(len(loader) / config.train.grad_accum_steps)
+    except TypeError:
+        decays = config.schedule.name not in ("constant", "step")
+        if decays and config.train.max_steps is None and config.schedule.total_steps is None:
+            raise ConfigError(
+                f"schedule.name={config.schedule.name} needs to know the run's length, "
+                "but the training data has no len()",
+                hint="set train.max_steps or schedule.total_steps",
+            ) from None
+        return config.train.max_steps or config.schedule.total_steps or 1
+    total = per_epoch * config.train.epochs
+    return min(total, config.train.max_steps) if config.train.max_steps else total
+
+
+def _task(config: RunConfig) -> Task | None:
+    if config.train.task != "auto":
+        return config.train.task
+    if config.loss.name in components.CLASSIFICATION_LOSSES:
+        return "classification"
+    if config.loss.name in components.REGRESSION_LOSSES:
+        return "regression"
+    return None
+
+
+def _monitor(config: RunConfig, *, has_val: bool) -> Monitor:
+    metric = config.train.monitor or ("val/loss" if has_val else "train/loss")
+    if metric.startswith("val/") and not has_val:
+        raise ConfigError(
+            f"train.monitor={metric} but the run has no validation data",
+            hint="set data.val or data.val_fraction, or train.monitor=train/loss",
+        )
+    mode = config.train.monitor_mode
+    if mode == "auto":
+        mode = "max" if "accuracy" in metric else "min"
+    stopping = config.train.early_stopping
+    return Monitor(
+        metric=metric,
+        mode=mode,
+        patience=stopping.patience if stopping else None,
+        min_delta=stopping.min_delta if stopping else 0.0,
+    )
+
+
+def _run_dir(config: RunConfig, resume: str | Path | None) -> Path:
+    if resume is not None:
+        path = Path(resume)
+        return path.parent.parent if path.is_file() else path
+    return create_run_dir(config.tracking.run_dir, root=config.tracking.runs_root, name=config.name)
+
+
+def _load_resume_bundle(resume: str | Path) -> dict[str, Any]:
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"--resume: {path} does not exist", hint="give the run dir to resume")
+    checkpoint = path if path.is_file() else find_latest(path)
+    if checkpoint is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {path}",
+            hint="resume needs a run dir with checkpoints/; checkpoint.enabled must be true",
+        )
+    return load_checkpoint(checkpoint)
+
+
+def _say_where(view: Any, run_dir: Path, resume_hint: str | None) -> None:
+    view.message(f"run dir: {run_dir}")
+    if resume_hint:
+        view.message(f"resume:  {resume_hint.format(run_dir=run_dir)}")
+    if (run_dir / "tb").is_dir():
+        view.message(f"view:    tensorboard --logdir {run_dir / 'tb'}")

@@ -1,0 +1,88 @@
+"""Tests for stoker.data.samplers: per-epoch seeded random and weighted samplers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stoker.data import EpochRandomSampler, EpochWeightedSampler, balanced_weights, epoch_seed
+from stoker.errors import ConfigError, DataError
+
+
+def test_random_sampler_is_a_permutation_fixed_by_seed_and_epoch() -> None:
+    sampler = EpochRandomSampler(50, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(50)) and len(sampler) == 50
+    assert list(sampler) == first  # same epoch, same order
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert second != first
+    torch.manual_seed(123)  # the global RNG plays no part
+    fresh = EpochRandomSampler(50, seed=3)
+    fresh.load_state_dict({"seed": 3, "epoch": 1})
+    assert list(fresh) == second
+    assert fresh.state_dict() == {"seed": 3, "epoch": 1}
+    assert list(EpochRandomSampler(50, seed=4)) != first
+    assert torch.equal(fresh.indices(), torch.tensor(second))
+
+
+def test_epoch_seed_mixes_its_inputs() -> None:
+    seeds = {epoch_seed(s, e, stream=k) for s in range(4) for e in range(4) for k in range(2)}
+    assert len(seeds) == 32
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert epoch_seed(-1, 0) == epoch_seed(-1, 0)
+
+
+def test_weighted_sampler_draws_by_weight_per_epoch() -> None:
+    weights = torch.tensor([0.0, 1.0, 0.0, 3.0])
+    sampler = EpochWeightedSampler(weights, num_samples=4000, seed=1)
+    draws = torch.tensor(list(sampler))
+    assert len(draws) == 4000 and len(sampler) == 4000
+    assert set(draws.tolist()) == {1, 3}
+    assert 0.70 < (draws == 3).float().mean().item() < 0.80
+    again = EpochWeightedSampler(weights, num_samples=4000, seed=1)
+    assert list(again) == draws.tolist()
+    again.set_epoch(1)
+    assert list(again) != draws.tolist()
+    assert again.state_dict() == {"seed": 1, "epoch": 1}
+    assert len(EpochWeightedSampler([1.0, 2.0])) == 2
+
+
+def test_weighted_without_replacement() -> None:
+    sampler = EpochWeightedSampler([1.0, 1.0, 0.0, 1.0], num_samples=3, replacement=False)
+    assert sorted(sampler) == [0, 1, 3]
+    with pytest.raises(ConfigError, match=r"loader.num_samples=4 .* only 3"):
+        EpochWeightedSampler([1.0, 1.0, 0.0, 1.0], num_samples=4, replacement=False)
+
+
+@pytest.mark.parametrize(
+    ("weights", "pattern"),
+    [
+        ([1.0, math.nan, 2.0, math.inf], r"index 1 is nan.*2 non-finite"),
+        (np.array([1.0, 2.0, -0.5]), r"index 2 is -0.5"),
+        ([0.0, 0.0], "all 2 sampler weights are zero"),
+        (torch.ones(2, 3), r"shape \(2, 3\)"),
+        ([], "empty"),
+        (["a", "b"], "do not convert"),
+    ],
+)
+def test_bad_weights_are_named(weights, pattern: str) -> None:
+    with pytest.raises(DataError, match=pattern):
+        EpochWeightedSampler(weights)
+
+
+def test_weights_must_match_dataset_length() -> None:
+    with pytest.raises(DataError, match="3 entries but the dataset has 5"):
+        EpochWeightedSampler([1.0, 1.0, 1.0], dataset_len=5)
+
+
+def test_balanced_weights() -> None:
+    weights = balanced_weights(np.array([0, 0, 0, 1, 2, 2]))
+    assert torch.allclose(
+        weights, torch.tensor([1 / 3, 1 / 3, 1 / 3, 1.0, 0.5, 0.5], dtype=torch.float64)
+    )
+    with pytest.raises(DataError, match="argmax"):
+        balanced_weights(torch.eye(3))

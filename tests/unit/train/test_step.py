@@ -1,0 +1,176 @@
+"""The loop's step: accumulation equivalence, clipping, precision, non-finite halts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stoker.errors import DataError, TrainingError
+from stoker.train.grads import GradClipper, first_nonfinite_grad
+from stoker.train.loop import Loop, Monitor, StepWindow, train_step
+from stoker.train.metrics import TaskMetrics
+from stoker.train.precision import Precision
+from stoker.train.state import TrainState
+
+
+class _NullProgress:
+    def start_epoch(self, *a, **k): ...
+    def advance(self, *a, **k): ...
+    def end_epoch(self, *a, **k): ...
+    def message(self, *a, **k): ...
+
+
+class _ListSink:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record) -> None:
+        self.records.append(dict(record))
+
+
+def _loop(
+    model: nn.Module,
+    *,
+    accum: int = 1,
+    clipper: GradClipper | None = None,
+    loss_fn=None,
+    lr: float = 0.1,
+) -> Loop:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return Loop(
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        precision=Precision("fp32", torch.device("cpu")),
+        clipper=clipper or GradClipper(),
+        loss_fn=loss_fn or nn.CrossEntropyLoss(),
+        loss_name="cross_entropy",
+        task="classification",
+        train_loader=None,
+        val_loader=None,
+        device=torch.device("cpu"),
+        state=TrainState(),
+        sink=_ListSink(),
+        progress=_NullProgress(),
+        monitor=Monitor("train/loss", "min"),
+        on_epoch_end=lambda loop, record: None,
+        epochs=1,
+        grad_accum_steps=accum,
+    )
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, size: int):
+    return iter([(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)])
+
+
+def _grads_after_one_step(model: nn.Module, batches, accum: int) -> list[torch.Tensor]:
+    loop = _loop(model, accum=accum)
+    captured: list[torch.Tensor] = []
+    original_step = loop.precision.step
+
+    def capture_then_step(optimizer):
+        captured.extend(p.grad.clone() for p in model.parameters())
+        original_step(optimizer)
+
+    loop.precision.step = capture_then_step  # type: ignore[method-assign]
+    train_step(loop, batches, TaskMetrics("classification"), StepWindow.empty(loop.device))
+    return captured
+
+
+def test_accumulating_4_x_16_gives_the_gradient_of_1_x_64(toy_classification, mlp_factory) -> None:
+    x, y = toy_classification
+    x, y = x[:64], y[:64]
+    whole = _grads_after_one_step(mlp_factory(), _batches(x, y, 64), accum=1)
+    accumulated = _grads_after_one_step(mlp_factory(), _batches(x, y, 16), accum=4)
+    for a, b in zip(whole, accumulated, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_smaller_last_micro_batch_is_weighted_by_its_samples(toy_classification, mlp_factory):
+    x, y = toy_classification
+    x, y = x[:40], y[:40]
+    whole = _grads_after_one_step(mlp_factory(), _batches(x, y, 40), accum=1)
+    accumulated = _grads_after_one_step(mlp_factory(), _batches(x, y, 16), accum=3)  # 16+16+8
+    for a, b in zip(whole, accumulated, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_last_partial_group_still_steps(toy_classification, mlp_factory) -> None:
+    x, y = toy_classification
+    loop = _loop(mlp_factory(), accum=4)
+    batches = _batches(x[:96], y[:96], 16)  # 6 micro-batches: a group of 4, then of 2
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    assert train_step(loop, batches, metrics, window) is not None
+    assert train_step(loop, batches, metrics, window) is not None
+    assert train_step(loop, batches, metrics, window) is None
+    assert (loop.state.step, loop.state.micro_step, loop.state.samples_seen) == (2, 6, 96)
+
+
+def test_clip_by_norm_caps_the_norm_and_reports_the_pre_clip_norm() -> None:
+    parameter = nn.Parameter(torch.zeros(2))
+    parameter.grad = torch.tensor([3.0, 4.0])
+    clipper = GradClipper(max_norm=1.0)
+    norm = clipper.clip_([parameter])
+    assert norm.item() == pytest.approx(5.0)
+    assert parameter.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+    assert clipper.clipped_steps.item() == 1
+
+
+def test_clip_by_value() -> None:
+    parameter = nn.Parameter(torch.zeros(3))
+    parameter.grad = torch.tensor([3.0, -4.0, 0.1])
+    clipper = GradClipper(max_value=0.5)
+    norm = clipper.clip_([parameter])
+    assert norm.item() == pytest.approx((9 + 16 + 0.01) ** 0.5)
+    assert parameter.grad.tolist() == pytest.approx([0.5, -0.5, 0.1])
+
+
+def test_no_clipping_leaves_gradients_alone() -> None:
+    parameter = nn.Parameter(torch.zeros(2))
+    parameter.grad = torch.tensor([3.0, 4.0])
+    assert GradClipper().clip_([parameter]).item() == pytest.approx(5.0)
+    assert parameter.grad.tolist() == [3.0, 4.0]
+
+
+def test_nan_input_halts_naming_the_step_and_first_bad_parameter(mlp_factory) -> None:
+    model = mlp_factory()
+    loop = _loop(model)
+    x = torch.randn(8, 8)
+    x[0, 0] = float("nan")
+    batches = iter([(x, torch.zeros(8, dtype=torch.long))])
+    with pytest.raises(TrainingError) as info:
+        train_step(loop, batches, TaskMetrics("classification"), StepWindow.empty(loop.device))
+    text = str(info.value)
+    assert "non-finite loss at step 1" in text
+    assert "first parameter with a non-finite gradient: 0.weight" in text
+    assert first_nonfinite_grad(model) == "0.weight"
+
+
+def test_output_that_does_not_fit_labels_is_a_clear_error(mlp_factory) -> None:
+    loop = _loop(mlp_factory(out_features=3))
+    batches = iter([(torch.randn(4, 8), torch.tensor([0, 1, 9, 2]))])
+    with pytest.raises(DataError) as info:
+        train_step(loop, batches, TaskMetrics("classification"), StepWindow.empty(loop.device))
+    assert "labels go up to 9" in str(info.value)
+    assert "out_features=10" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_reduced_precision_steps_on_cpu(name: str, toy_classification, mlp_factory) -> None:
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model)
+    loop.precision = Precision(name, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(
+        loop, _batches(x, y, 64), TaskMetrics("classification"), StepWindow.empty(loop.device)
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert loop.precision.scaling is (name == "fp16")
+
+
+def test_precision_state_refuses_a_different_mode() -> None:
+    state = Precision("fp16", torch.device("cpu")).state_dict()
+    with pytest.raises(Exception, match=r"train\.precision=fp16"):
+        Precision("fp32", torch.device("cpu")).load_state_dict(state)
