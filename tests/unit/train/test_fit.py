@@ -181,3 +181,15 @@ def test_resume_without_checkpoints_is_an_error(tmp_path, toy_classification, ml
 def test_bad_train_data_type_is_explained(mlp_factory) -> None:
     with pytest.raises(ConfigError, match="train_data must be a torch Dataset"):
         stoker.fit(mlp_factory(), [1, 2, 3], **OPTIONS)
+
+
+def test_compile_trains_like_eager(tmp_path, toy_classification, mlp_factory) -> None:
+    x, y = toy_classification
+    common = dict(OPTIONS, epochs=2, seed=1)
+    eager = stoker.fit(mlp_factory(), (x, y), run_dir=tmp_path / "eager", **common)
+    compiled = stoker.fit(
+        mlp_factory(), (x, y), run_dir=tmp_path / "compiled", compile=True, **common
+    )
+    # The result is the plain module (state-dict keys without `_orig_mod.`).
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
+    assert compiled.metrics["train/loss"] == pytest.approx(eager.metrics["train/loss"], rel=1e-4)
