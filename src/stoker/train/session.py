@@ -22,7 +22,7 @@ from stoker.checkpoint import (
 )
 from stoker.config import RunConfig, write_config
 from stoker.data.device import resolve_device
-from stoker.data.loader import build_loader
+from stoker.data.loader import EpochLoader, build_loader
 from stoker.errors import CheckpointError, ConfigError
 from stoker.observe.progress import build_progress
 from stoker.observe.sinks import build_sinks
@@ -71,6 +71,84 @@ class UserComponents:
     collate_fn: Callable | None = None
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """The data-to-loss half of a run: what the doctor and the tuner measure too."""
+
+    config: RunConfig
+    device: torch.device
+    model: nn.Module
+    train_data: Dataset
+    val_data: Dataset | None
+    loss_fn: Callable
+    collate_fn: Callable | None
+    train_loader: EpochLoader
+    val_loader: EpochLoader | None
+
+
+def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -> Pipeline:
+    """Build model, datasets, loss and loaders from config (``user`` objects win)."""
+    device = resolve_device(config.train.device)
+    model = user.model if user.model is not None else components.build_model(config)
+    if user.train_data is not None:
+        train_data, val_data = user.train_data, user.val_data
+    else:
+        train_data, val_data = components.build_datasets(config)
+    loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
+    collate_fn = user.collate_fn or components.build_collate_fn(config)
+    train_loader = build_train_loader(config, train_data, device=device, collate_fn=collate_fn)
+    val_loader = None
+    if val_data is not None:
+        loader_cfg = config.loader
+        val_loader = build_loader(
+            val_data,
+            batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
+            num_workers=loader_cfg.num_workers,
+            pin_memory=loader_cfg.pin_memory,
+            persistent_workers=loader_cfg.persistent_workers,
+            prefetch_factor=loader_cfg.prefetch_factor,
+            collate_fn=collate_fn,
+            seed=config.seed,
+            device=device,
+        )
+    return Pipeline(
+        config=config,
+        device=device,
+        model=model,
+        train_data=train_data,
+        val_data=val_data,
+        loss_fn=loss_fn,
+        collate_fn=collate_fn,
+        train_loader=train_loader,
+        val_loader=val_loader,
+    )
+
+
+def build_train_loader(
+    config: RunConfig,
+    dataset: Dataset,
+    *,
+    device: torch.device,
+    collate_fn: Callable | None,
+    **overrides: Any,
+) -> EpochLoader:
+    """The training loader from ``config.loader``; ``overrides`` replace single knobs."""
+    loader_cfg = config.loader
+    options: dict[str, Any] = {
+        "batch_size": loader_cfg.batch_size,
+        "shuffle": _shuffle(loader_cfg.shuffle, dataset),
+        "drop_last": loader_cfg.drop_last,
+        "sampler": loader_cfg.sampler,
+        "weights": loader_cfg.weights,
+        "num_workers": loader_cfg.num_workers,
+        "pin_memory": loader_cfg.pin_memory,
+        "persistent_workers": loader_cfg.persistent_workers,
+        "prefetch_factor": loader_cfg.prefetch_factor,
+    }
+    options.update(overrides)
+    return build_loader(dataset, collate_fn=collate_fn, seed=config.seed, device=device, **options)
+
+
 def train_run(
     config: RunConfig,
     *,
@@ -89,44 +167,9 @@ def train_run(
         resume_hint: The command that resumes this run, shown at the end.
     """
     seed_everything(config.seed)
-    device = resolve_device(config.train.device)
-    model = user.model if user.model is not None else components.build_model(config)
-    if user.train_data is not None:
-        train_data, val_data = user.train_data, user.val_data
-    else:
-        train_data, val_data = components.build_datasets(config)
-    loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
-    collate_fn = user.collate_fn or components.build_collate_fn(config)
-
-    loader_cfg = config.loader
-    train_loader = build_loader(
-        train_data,
-        batch_size=loader_cfg.batch_size,
-        shuffle=_shuffle(loader_cfg.shuffle, train_data),
-        drop_last=loader_cfg.drop_last,
-        sampler=loader_cfg.sampler,
-        weights=loader_cfg.weights,
-        num_workers=loader_cfg.num_workers,
-        pin_memory=loader_cfg.pin_memory,
-        persistent_workers=loader_cfg.persistent_workers,
-        prefetch_factor=loader_cfg.prefetch_factor,
-        collate_fn=collate_fn,
-        seed=config.seed,
-        device=device,
-    )
-    val_loader = None
-    if val_data is not None:
-        val_loader = build_loader(
-            val_data,
-            batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
-            num_workers=loader_cfg.num_workers,
-            pin_memory=loader_cfg.pin_memory,
-            persistent_workers=loader_cfg.persistent_workers,
-            prefetch_factor=loader_cfg.prefetch_factor,
-            collate_fn=collate_fn,
-            seed=config.seed,
-            device=device,
-        )
+    pipeline = build_pipeline(config, user)
+    model, device = pipeline.model, pipeline.device
+    loss_fn, train_loader, val_loader = pipeline.loss_fn, pipeline.train_loader, pipeline.val_loader
 
     model.to(device)
     optimizer = build_optimizer(model, config.optim, device=device)
