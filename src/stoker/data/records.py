@@ -111,3 +111,15 @@ class BadRecordLog:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.total, self.consecutive = state["total"], state["consecutive"]
+
+
+@dataclass(frozen=True)
+class FilteredBatch:
+    """A batch with its skipped records, as a batched source or the skip collate returns it.
+
+    The loader unwraps it in the main process: ``bad`` goes to the BadRecordLog and
+    ``batch`` (None when every record was bad) goes on to training.
+    """
+
+    batch: object | None
+    bad: list[BadSample]
