@@ -87,6 +87,14 @@ class LossConfig(Section):
         ),
     )
     args: dict[str, Any] = Field(default_factory=dict)
+    normalize: Literal["samples", "tokens"] = Field(
+        "samples",
+        description=(
+            "How micro-batch losses are weighted in an accumulated step: by samples, or by "
+            "real tokens (targets != ignore_index) for token-level losses over padded batches."
+        ),
+    )
+    ignore_index: int = Field(-100, description="Target value of padding, with normalize=tokens.")
 
 
 class OptimConfig(Section):

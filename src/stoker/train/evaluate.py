@@ -22,14 +22,16 @@ def evaluate(
     precision: Precision,
     task: Task | None,
     prefix: str = "val",
+    ignore_index: int | None = None,
 ) -> dict[str, float]:
     """Loss and, by task, accuracy (classification) or MSE and MAE (regression).
 
+    With ``ignore_index`` (token-level losses) batches are weighted by their real tokens.
     The model is put back in training mode afterwards if it was in it.
     """
     was_training = model.training
     model.eval()
-    metrics = TaskMetrics(task)
+    metrics = TaskMetrics(task, ignore_index=ignore_index)
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -37,7 +39,12 @@ def evaluate(
                 with precision.autocast():
                     outputs = forward(model, inputs)
                     loss = loss_fn(outputs, targets)
-                metrics.update(outputs, targets, loss, batch_size_of(targets))
+                count = (
+                    int((targets != ignore_index).sum())
+                    if ignore_index is not None
+                    else batch_size_of(targets)
+                )
+                metrics.update(outputs, targets, loss, count)
     finally:
         model.train(was_training)
     return metrics.compute(prefix)

@@ -14,6 +14,8 @@ from torch import nn
 
 from stoker.data.device import move_to_device
 from stoker.errors import TrainingError
+from stoker.observe.system import SystemMonitor
+from stoker.observe.timing import PhaseTimer, timing_record
 from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
 from stoker.train.evaluate import evaluate
 from stoker.train.grads import GradClipper, first_nonfinite_grad
@@ -67,10 +69,14 @@ class Loop:
     progress: Any
     monitor: Monitor
     on_epoch_end: EpochEndHook
+    timer: PhaseTimer
+    system: SystemMonitor
     epochs: int
     max_steps: int | None = None
     grad_accum_steps: int = 1
     log_every_steps: int = 50
+    normalize: Literal["samples", "tokens"] = "samples"
+    ignore_index: int = -100
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
 
@@ -98,35 +104,38 @@ class StepWindow:
 
 def train_step(
     loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
-) -> float | None:
+) -> bool:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
 
-    Returns the seconds spent waiting for data, or None when the epoch has no batches left.
+    Returns False when the epoch had no batches left (and nothing was done).
     """
-    state = loop.state
+    state, timer = loop.state, loop.timer
     # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
-    fetch_started = time.perf_counter()
+    timer.start_step()
     micro_batches = list(islice(batches, loop.grad_accum_steps))
-    data_wait_s = time.perf_counter() - fetch_started
+    timer.data_ready()
     if not micro_batches:
-        return None
-    sizes = [batch_size_of(split_batch(batch)[1]) for batch in micro_batches]
-    step_samples = sum(sizes)
+        return False
+    sizes = [_count(loop, split_batch(batch)[1]) for batch in micro_batches]
+    step_count = sum(sizes)
     step_loss = torch.zeros((), device=loop.device)
 
     for batch, size in zip(micro_batches, sizes, strict=True):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
         inputs, targets = split_batch(move_to_device(batch, loop.device, non_blocking=True))
+        timer.lap("transfer")
         # 3. Forward and 4. loss, in the run's precision.
         with loop.precision.autocast():
             outputs = forward(loop.model, inputs)
             loss = _loss(loop, outputs, targets)
-        # 5. Backward. Weighting by samples makes the accumulated gradient that of one
-        # batch of `step_samples`, also for a smaller last micro-batch or group.
-        loop.precision.backward(loss * (size / step_samples))
+        timer.lap("forward")
+        # 5. Backward. Weighting by samples (or real tokens) makes the accumulated gradient
+        # that of one batch of `step_count`, also for a smaller last micro-batch or group.
+        loop.precision.backward(loss * (size / step_count))
         metrics.update(outputs, targets, loss, size)
-        step_loss += loss.detach().float() * (size / step_samples)
+        step_loss += loss.detach().float() * (size / step_count)
         state.micro_step += 1
+        timer.lap("backward")
 
     # 6. Unscale (fp16) so the norm is the true one, measure it, clip.
     loop.precision.unscale_(loop.optimizer)
@@ -138,15 +147,26 @@ def train_step(
     loop.optimizer.zero_grad(set_to_none=True)
     # 8. Schedule: the lr moves once per optimizer step.
     loop.scheduler.step()
+    timer.lap("optimizer")
+    timer.end_step()
 
     # 9. Record, on the device; read only every `log_every_steps`.
     state.step += 1
+    step_samples = sum(batch_size_of(split_batch(batch)[1]) for batch in micro_batches)
     state.samples_seen += step_samples
     window.loss += step_loss
     window.grad_norm += grad_norm.detach().float().to(loop.device)
     window.steps += 1
     window.samples += step_samples
-    return data_wait_s
+    return True
+
+
+def _count(loop: Loop, targets: Any) -> int:
+    """What a micro-batch's loss is averaged over: its samples, or its real tokens."""
+    if loop.normalize == "tokens":
+        # Targets are still on the host here, so counting costs no device sync.
+        return int((targets != loop.ignore_index).sum())
+    return batch_size_of(targets)
 
 
 def _loss(loop: Loop, outputs: Any, targets: Any) -> torch.Tensor:
@@ -178,10 +198,10 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     state = loop.state
     loop.train_loader.set_epoch(state.epoch)
     loop.model.train()
-    metrics = TaskMetrics(loop.task)
+    metrics = TaskMetrics(loop.task, ignore_index=_ignored(loop))
     window = StepWindow.empty(loop.device)
     epoch_norm_sum = torch.zeros((), device=loop.device)
-    data_wait_s = 0.0
+    loop.timer.reset()
     steps = 0
     started = time.perf_counter()
     loop.progress.start_epoch(
@@ -189,10 +209,8 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     )
     batches = iter(loop.train_loader)
     while not loop.out_of_steps():
-        waited = train_step(loop, batches, metrics, window)
-        if waited is None:
+        if not train_step(loop, batches, metrics, window):
             break
-        data_wait_s += waited
         steps += 1
         if window.steps >= loop.log_every_steps:
             epoch_norm_sum += window.grad_norm
@@ -208,13 +226,22 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
             "lr": loop.scheduler.get_last_lr()[0],
             "grad/norm": epoch_norm_sum.item() / max(steps, 1),
             "time/epoch_s": epoch_s,
-            "time/data_wait_s": data_wait_s,
             "throughput/samples_per_s": metrics.samples / epoch_s if epoch_s > 0 else 0.0,
         }
     )
+    record.update(timing_record(loop.timer.summary()))
+    record.update(loop.system.sample(num_workers=_num_workers(loop.train_loader)))
     if loop.clipper.max_norm is not None or loop.clipper.max_value is not None:
         record["grad/clip_rate"] = loop.clipper.clipped_steps.item() / max(state.step, 1)
     return record
+
+
+def _ignored(loop: Loop) -> int | None:
+    return loop.ignore_index if loop.normalize == "tokens" else None
+
+
+def _num_workers(loader: Any) -> int:
+    return getattr(getattr(loader, "dataloader", None), "num_workers", 0)
 
 
 def _steps_per_epoch(loop: Loop) -> int | None:
@@ -257,6 +284,7 @@ def run(loop: Loop) -> list[dict[str, Any]]:
                     device=loop.device,
                     precision=loop.precision,
                     task=loop.task,
+                    ignore_index=_ignored(loop),
                 )
             )
         record["step"] = state.step

@@ -16,9 +16,14 @@ class TaskMetrics:
     CPU–GPU synchronization; ``compute`` reads everything at once.
     """
 
-    def __init__(self, task: Task | None) -> None:
-        """``task`` None infers it from the first batch's targets."""
+    def __init__(self, task: Task | None, *, ignore_index: int | None = None) -> None:
+        """``task`` None infers it from the first batch's targets.
+
+        With ``ignore_index`` (token-level losses), ``count`` passed to ``update`` is the
+        number of real tokens and accuracy skips targets equal to it.
+        """
         self.task = task
+        self.ignore_index = ignore_index
         self._loss_sum = torch.zeros(())
         self._correct = torch.zeros((), dtype=torch.long)
         self._abs_err = torch.zeros(())
@@ -39,7 +44,7 @@ class TaskMetrics:
         self._loss_sum += loss.detach().float() * count
         self.samples += count
         if self.task == "classification":
-            correct = _correct_predictions(outputs, targets)
+            correct = _correct_predictions(outputs, targets, self.ignore_index)
             if correct is not None:
                 self._correct += correct
                 self._has_accuracy = True
@@ -71,11 +76,19 @@ class TaskMetrics:
         return self._loss_sum
 
 
-def _correct_predictions(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-    """Correct predictions in a batch: argmax for class logits, sign for binary logits."""
+def _correct_predictions(
+    outputs: torch.Tensor, targets: torch.Tensor, ignore_index: int | None = None
+) -> torch.Tensor | None:
+    """Correct predictions in a batch: argmax for class logits, sign for binary logits.
+
+    Class logits are ``[N, C]`` or, per token, ``[N, C, T]`` (CrossEntropyLoss's layout).
+    """
     outputs = outputs.detach()
     if outputs.ndim == targets.ndim + 1 and not targets.is_floating_point():
-        return (outputs.argmax(dim=1) == targets).sum()
+        hits = outputs.argmax(dim=1) == targets
+        if ignore_index is not None:
+            hits &= targets != ignore_index
+        return hits.sum()
     if outputs.shape == targets.shape and (outputs.ndim == 1 or outputs.shape[-1] == 1):
         # One binary logit per sample against 0/1 targets (BCEWithLogits).
         return ((outputs > 0) == (targets > 0.5)).sum()

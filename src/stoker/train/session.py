@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from stoker.data.loader import EpochLoader, build_loader
 from stoker.errors import CheckpointError, ConfigError
 from stoker.observe.progress import build_progress
 from stoker.observe.sinks import build_sinks
+from stoker.observe.system import SystemMonitor, environment
+from stoker.observe.timing import PhaseTimer
+from stoker.observe.verdict import run_summary, summary_lines
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
@@ -243,17 +247,25 @@ def train_run(
         progress=view,
         monitor=monitor,
         on_epoch_end=save_checkpoint,
+        timer=PhaseTimer(device),
+        system=SystemMonitor(device),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
         grad_accum_steps=config.train.grad_accum_steps,
         log_every_steps=config.train.log_every_steps,
+        normalize=config.loss.normalize,
+        ignore_index=config.loss.ignore_index,
         history=history,
     )
+    (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
     try:
         run(loop)
         export_safetensors(model, run_dir / "model.safetensors")
     finally:
         sink.close()
+    summary = _write_summary(loop, run_dir)
+    for line in summary_lines(summary):
+        view.message(line)
     _say_where(view, run_dir, resume_hint)
     view.close()
     return FitResult(
@@ -272,6 +284,22 @@ def _shuffle(setting: bool | str, dataset: Dataset) -> bool:
     if setting == "auto":
         return not isinstance(dataset, IterableDataset)
     return bool(setting)
+
+
+def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
+    """The run's verdict and phase table, to ``summary.json`` (the report shows it)."""
+    stats = loop.timer.summary(whole_run=True)
+    samples_per_s = 0.0
+    if stats:
+        samples_per_s = loop.state.samples_seen / max(stats["step"].total_s, 1e-12)
+    summary = run_summary(
+        stats,
+        num_workers=getattr(loop.train_loader.dataloader, "num_workers", 0),
+        device_type=loop.device.type,
+        samples_per_s=samples_per_s,
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def _total_steps(config: RunConfig, loader: Any) -> int:

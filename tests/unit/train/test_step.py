@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from stoker.errors import DataError, TrainingError
+from stoker.observe.system import SystemMonitor
+from stoker.observe.timing import PhaseTimer
 from stoker.train.grads import GradClipper, first_nonfinite_grad
 from stoker.train.loop import Loop, Monitor, StepWindow, train_step
 from stoker.train.metrics import TaskMetrics
@@ -55,6 +57,8 @@ def _loop(
         progress=_NullProgress(),
         monitor=Monitor("train/loss", "min"),
         on_epoch_end=lambda loop, record: None,
+        timer=PhaseTimer(torch.device("cpu")),
+        system=SystemMonitor(torch.device("cpu")),
         epochs=1,
         grad_accum_steps=accum,
     )
@@ -101,9 +105,10 @@ def test_a_last_partial_group_still_steps(toy_classification, mlp_factory) -> No
     loop = _loop(mlp_factory(), accum=4)
     batches = _batches(x[:96], y[:96], 16)  # 6 micro-batches: a group of 4, then of 2
     metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
-    assert train_step(loop, batches, metrics, window) is not None
-    assert train_step(loop, batches, metrics, window) is not None
-    assert train_step(loop, batches, metrics, window) is None
+    assert train_step(loop, batches, metrics, window)
+    assert train_step(loop, batches, metrics, window)
+    assert not train_step(loop, batches, metrics, window)
+    assert loop.timer.steps == 2
     assert (loop.state.step, loop.state.micro_step, loop.state.samples_seen) == (2, 6, 96)
 
 
@@ -174,3 +179,44 @@ def test_precision_state_refuses_a_different_mode() -> None:
     state = Precision("fp16", torch.device("cpu")).state_dict()
     with pytest.raises(Exception, match=r"train\.precision=fp16"):
         Precision("fp32", torch.device("cpu")).load_state_dict(state)
+
+
+def test_token_normalization_matches_one_batch_of_all_real_tokens() -> None:
+    """Two micro-batches with different real-token counts: the accumulated gradient is the
+    gradient of the mean over every real token of the step, not the mean of two means."""
+    class PerToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 5))
+
+        def forward(self, ids):
+            return self.body(ids).transpose(1, 2)  # [B, C, T] for CrossEntropyLoss
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 10, (4, 6), generator=generator)
+    targets = torch.randint(0, 5, (4, 6), generator=generator)
+    targets[0, 2:] = -100  # sample 0: 2 real tokens; sample 1: 6; samples 2-3: 1 each
+    targets[2, 1:] = -100
+    targets[3, 1:] = -100
+
+    def grads(batches, accum):
+        model = PerToken()
+        loop = _loop(model, accum=accum)
+        loop.normalize = "tokens"
+        captured = []
+        real_step = loop.precision.step
+
+        def capture(optimizer):
+            captured.extend(p.grad.clone() for p in model.parameters())
+            real_step(optimizer)
+
+        loop.precision.step = capture
+        metrics = TaskMetrics("classification", ignore_index=-100)
+        train_step(loop, iter(batches), metrics, StepWindow.empty(loop.device))
+        return captured
+
+    whole = grads([(ids, targets)], accum=1)
+    split = grads([(ids[:2], targets[:2]), (ids[2:], targets[2:])], accum=2)  # 8 vs 2 tokens
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

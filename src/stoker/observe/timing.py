@@ -1,0 +1,152 @@
+"""Per-step phase timers: data wait, transfer, forward, backward, optimizer.
+
+On the CPU a phase ends with a ``perf_counter`` read (tens of nanoseconds). On CUDA
+the host runs ahead of the device, so host clocks would time kernel *launches*;
+there each phase boundary records a CUDA event instead, and the events are read
+lazily — when ``summary`` is asked for, once per epoch — so timing adds no
+synchronization to the step. Data wait is always a host time: it is the time the
+training thread is blocked on the loader.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+PHASES = ("data_wait", "transfer", "forward", "backward", "optimizer")
+_DEVICE_PHASES = PHASES[1:]
+
+
+@dataclass(frozen=True)
+class PhaseStats:
+    """One phase over an epoch: total, median and p95 per step, share of step time."""
+
+    total_s: float
+    median_s: float
+    p95_s: float
+    share: float
+
+
+class PhaseTimer:
+    """Accumulates phase durations per step; summarizes them per epoch.
+
+    Call ``start_step`` before fetching, ``data_ready`` when the batch arrived,
+    ``lap(phase)`` at the end of each later phase (several times per step with
+    gradient accumulation: laps add up), and ``end_step`` after the optimizer.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._steps: list[list[float]] = []
+        self._run_steps: list[list[float]] = []
+        self._pending: list[tuple[float, list[tuple[int, object, object]]]] = []
+        self._current = [0.0] * len(PHASES)
+        self._events: list[tuple[int, object, object]] = []
+        self._last = 0.0
+        self._last_event: object | None = None
+
+    def start_step(self) -> None:
+        self._current = [0.0] * len(PHASES)
+        self._events = []
+        self._last = time.perf_counter()
+
+    def data_ready(self) -> None:
+        now = time.perf_counter()
+        self._current[0] += now - self._last
+        self._last = now
+        if self._cuda:
+            self._last_event = _record_event()
+
+    def lap(self, phase: str) -> None:
+        index = PHASES.index(phase)
+        if self._cuda:
+            event = _record_event()
+            self._events.append((index, self._last_event, event))
+            self._last_event = event
+            return
+        now = time.perf_counter()
+        self._current[index] += now - self._last
+        self._last = now
+
+    def end_step(self) -> None:
+        if self._cuda:
+            # Device times are read later, when the events have surely completed.
+            self._pending.append((self._current[0], self._events))
+        else:
+            self._steps.append(self._current)
+
+    def _resolve_pending(self) -> None:
+        if not self._pending:
+            return
+        self._pending[-1][1][-1][2].synchronize()  # type: ignore[attr-defined]  # one sync per read
+        for data_wait, events in self._pending:
+            durations = [data_wait] + [0.0] * len(_DEVICE_PHASES)
+            for index, start, end in events:
+                durations[index] += start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
+            self._steps.append(durations)
+        self._pending = []
+
+    @property
+    def steps(self) -> int:
+        return len(self._steps) + len(self._pending)
+
+    def summary(self, *, whole_run: bool = False) -> dict[str, PhaseStats]:
+        """Per-phase statistics over the steps since the last ``reset`` (or the whole run)."""
+        self._resolve_pending()
+        steps = self._run_steps + self._steps if whole_run else self._steps
+        return _summarize(steps)
+
+    def reset(self) -> None:
+        """Start a new epoch's statistics; the run's keep everything."""
+        self._resolve_pending()
+        self._run_steps.extend(self._steps)
+        self._steps = []
+
+
+def _summarize(steps: list[list[float]]) -> dict[str, PhaseStats]:
+    if not steps:
+        return {}
+    step_times = [sum(step) for step in steps]
+    total = sum(step_times) or 1e-12
+    stats = {}
+    for index, phase in enumerate(PHASES):
+        values = [step[index] for step in steps]
+        stats[phase] = PhaseStats(
+            total_s=sum(values),
+            median_s=statistics.median(values),
+            p95_s=_percentile(values, 95),
+            share=sum(values) / total,
+        )
+    stats["step"] = PhaseStats(
+        total_s=sum(step_times),
+        median_s=statistics.median(step_times),
+        p95_s=_percentile(step_times, 95),
+        share=1.0,
+    )
+    return stats
+
+
+def _record_event() -> object:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _percentile(values: list[float], percent: float) -> float:
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, round(percent / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def timing_record(stats: dict[str, PhaseStats]) -> dict[str, float]:
+    """The metric keys for an epoch: totals per phase, step median/p95, data stall %."""
+    if not stats:
+        return {}
+    record = {f"time/{phase}_s": stats[phase].total_s for phase in PHASES}
+    record["time/step_s"] = stats["step"].median_s
+    record["time/step_p95_s"] = stats["step"].p95_s
+    record["time/data_stall_pct"] = 100.0 * stats["data_wait"].share
+    return record
