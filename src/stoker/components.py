@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -87,15 +88,33 @@ def _import_module(module_name: str, *, field: str, spec: str) -> Any:
         ) from None
 
 
-def _call(spec: ComponentSpec, *, field: str, builtins: Mapping[str, Callable[..., Any]]) -> Any:
+def _call(
+    spec: ComponentSpec,
+    *,
+    field: str,
+    builtins: Mapping[str, Callable[..., Any]],
+    defaults: Mapping[str, Any] | None = None,
+) -> Any:
+    """Call the factory with its args, plus ``defaults`` it accepts and the args lack."""
     factory = resolve_callable(spec.name, field=f"{field}.name", builtins=builtins)
+    args = dict(spec.args)
+    for key, value in (defaults or {}).items():
+        if key not in args and _accepts(factory, key):
+            args[key] = value
     try:
-        return factory(**spec.args)
+        return factory(**args)
     except TypeError as exc:
         raise ConfigError(
             f"{field}: {spec.name}(**{spec.args}) failed: {exc}",
             hint=f"check the keys under {field}.args",
         ) from None
+
+
+def _accepts(factory: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def build_model(config: RunConfig) -> nn.Module:
@@ -115,14 +134,19 @@ def build_datasets(config: RunConfig) -> tuple[Dataset, Dataset | None]:
     data = config.data
     if data.train is None:
         raise ConfigError("data.train: required", hint="add `data: {train: {name: digits}}`")
-    train = _as_dataset(_call(data.train, field="data.train", builtins=DATASETS), "data.train")
+    # Sources that can meet malformed records get the run's policy unless told otherwise.
+    policy = {"bad_records": data.bad_records}
+    train = _as_dataset(
+        _call(data.train, field="data.train", builtins=DATASETS, defaults=policy), "data.train"
+    )
     if data.val is not None:
         if data.val_fraction is not None:
             raise ConfigError(
                 "data.val and data.val_fraction are both set",
                 hint="give a separate validation set or a fraction of train, not both",
             )
-        return train, _as_dataset(_call(data.val, field="data.val", builtins=DATASETS), "data.val")
+        val = _call(data.val, field="data.val", builtins=DATASETS, defaults=policy)
+        return train, _as_dataset(val, "data.val")
     if data.val_fraction is not None:
         return split_dataset(train, data.val_fraction, seed=data.split_seed)
     return train, None

@@ -53,6 +53,25 @@ class DataConfig(Section):
         description="Hold out this share of `train` for validation when `val` is not given.",
     )
     split_seed: int = Field(0, description="Seed of the deterministic train/val split.")
+    fingerprint: Literal["fast", "full", "off"] = Field(
+        "fast",
+        description=(
+            "Content fingerprint of the training data, checked on resume: `fast` hashes sizes "
+            "and sampled blocks, `full` every byte."
+        ),
+    )
+    cache: Literal["none", "memory", "disk"] = Field(
+        "none", description="Cache decoded samples so per-sample work happens once."
+    )
+    cache_path: str | None = Field(None, description="Folder of the disk cache.")
+    bad_records: Literal["error", "skip"] = Field(
+        "error",
+        description="`error`: stop at a malformed record; `skip`: log it to bad_records.jsonl.",
+    )
+    max_bad_records: PositiveInt = Field(1000, description="Stop after more skips than this.")
+    max_consecutive_bad_records: PositiveInt = Field(
+        100, description="Stop after more skips in a row than this."
+    )
 
 
 class LoaderConfig(Section):

@@ -17,6 +17,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write the run here instead of runs/<name>-<timestamp>",
     )
+    parser.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="with --resume: continue even though the training data's fingerprint changed",
+    )
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--quiet", action="store_true", help="print nothing but errors")
     shown.add_argument(

@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.overrides, *run_dir_overrides(args)])
     resume_hint = f"stoker train {shlex.quote(args.config)} --resume {{run_dir}}"
     result = train_run(
-        config, resume=args.resume, progress=progress_mode(args), resume_hint=resume_hint
+        config,
+        resume=args.resume,
+        progress=progress_mode(args),
+        resume_hint=resume_hint,
+        allow_data_change=args.allow_data_change,
     )
     return 0 if result.history else 1

@@ -26,6 +26,7 @@ def fit(
     *,
     resume: str | Path | None = None,
     progress: Literal["auto", "rich", "plain", "quiet"] = "auto",
+    allow_data_change: bool = False,
     **options: Any,
 ) -> FitResult:
     """Train ``model`` on ``train_data``, validating on ``val_data`` after each epoch.
@@ -43,6 +44,7 @@ def fit(
         val_data: The same for validation; or pass ``val_fraction=0.2`` to split train.
         resume: A run dir to continue from its last checkpoint.
         progress: How to show progress; ``quiet`` prints nothing.
+        allow_data_change: With ``resume``, continue even if the training data changed.
 
     Returns:
         The final metrics, the per-epoch history, the run dir and the trained model.
@@ -61,7 +63,9 @@ def fit(
     user = UserComponents(
         model=model, train_data=train, val_data=val, loss_fn=loss_fn, collate_fn=collate_fn
     )
-    return train_run(config, user=user, resume=resume, progress=progress)
+    return train_run(
+        config, user=user, resume=resume, progress=progress, allow_data_change=allow_data_change
+    )
 
 
 def _pop_callable(options: dict[str, Any], key: str) -> Callable | None:

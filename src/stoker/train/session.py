@@ -22,8 +22,11 @@ from stoker.checkpoint import (
     load_checkpoint,
 )
 from stoker.config import RunConfig, write_config
+from stoker.data.cache import CachedDataset
 from stoker.data.device import resolve_device
+from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_fingerprint
 from stoker.data.loader import EpochLoader, build_loader
+from stoker.data.records import BadRecordLog
 from stoker.errors import CheckpointError, ConfigError
 from stoker.observe.progress import build_progress
 from stoker.observe.sinks import build_sinks
@@ -100,6 +103,7 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
         train_data, val_data = components.build_datasets(config)
     loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
     collate_fn = user.collate_fn or components.build_collate_fn(config)
+    train_data = _cached(config, train_data)
     train_loader = build_train_loader(config, train_data, device=device, collate_fn=collate_fn)
     val_loader = None
     if val_data is not None:
@@ -126,6 +130,23 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
         train_loader=train_loader,
         val_loader=val_loader,
     )
+
+
+def _cached(config: RunConfig, dataset: Dataset) -> Dataset:
+    """Wrap the training data in a cache when ``data.cache`` asks for one."""
+    data = config.data
+    if data.cache == "none":
+        return dataset
+    if data.cache == "disk" and data.cache_path is None:
+        raise ConfigError(
+            "data.cache=disk needs a folder for the cache",
+            hint="set data.cache_path=/fast/disk/cache-<name>",
+        )
+    cached = CachedDataset(dataset, mode=data.cache, path=data.cache_path)
+    if data.cache == "memory" and config.loader.num_workers > 0:
+        # Fill it before the workers fork, so they share it instead of each filling a copy.
+        cached.warm()
+    return cached
 
 
 def build_train_loader(
@@ -160,6 +181,7 @@ def train_run(
     resume: str | Path | None = None,
     progress: str = "auto",
     resume_hint: str | None = None,
+    allow_data_change: bool = False,
 ) -> FitResult:
     """Train one run described by ``config``; ``user`` objects take the place of config names.
 
@@ -169,6 +191,7 @@ def train_run(
         resume: A run dir (or checkpoint file) to continue from.
         progress: ``auto``, ``rich``, ``plain`` or ``quiet``.
         resume_hint: The command that resumes this run, shown at the end.
+        allow_data_change: Resume even if the training data's fingerprint changed.
     """
     seed_everything(config.seed)
     pipeline = build_pipeline(config, user)
@@ -193,8 +216,25 @@ def train_run(
         mode=monitor.mode,
     )
     history: list[dict[str, Any]] = []
+    bad_records = BadRecordLog(
+        run_dir / "bad_records.jsonl",
+        max_total=config.data.max_bad_records,
+        max_consecutive=config.data.max_consecutive_bad_records,
+    )
+    train_loader.bad_records = bad_records
+    fingerprint = None
+    data_warning = None
+    if config.data.fingerprint != "off":
+        fingerprint = fingerprint_dataset(
+            pipeline.train_data, full=config.data.fingerprint == "full"
+        )
     if resume is not None:
         bundle = _load_resume_bundle(resume)
+        if fingerprint is not None and bundle.get("data_fingerprint") is not None:
+            data_warning = verify_dataset(
+                pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
+            )
+        bad_records.load_state_dict(bundle.get("bad_records", bad_records.state_dict()))
         model.load_state_dict(bundle["model"])
         optimizer.load_state_dict(bundle["optimizer"])
         scheduler.load_state_dict(bundle["scheduler"])
@@ -205,12 +245,16 @@ def train_run(
         # Last, so nothing built above consumes random numbers after the restore.
         restore_rng_state(bundle["rng"])
     write_config(config, run_dir / "config.yaml")
+    if fingerprint is not None:
+        write_fingerprint(fingerprint, run_dir)
 
     called_model = torch.compile(model) if config.train.compile else model
     sink = build_sinks(run_dir, tensorboard=config.tracking.tensorboard)
     view = build_progress(progress)  # type: ignore[arg-type]
     if resume is not None:
         view.message(f"resuming {run_dir} after epoch {state.epoch} (step {state.step})")
+    if data_warning:
+        view.message(f"warning: {data_warning}")
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
         if not config.checkpoint.enabled:
@@ -225,6 +269,8 @@ def train_run(
             "history": loop.history,
             "rng": capture_rng_state(),
             "config": config.to_dict(),
+            "data_fingerprint": fingerprint.to_dict() if fingerprint else None,
+            "bad_records": bad_records.state_dict(),
         }
         checkpointer.save(bundle, epoch=record["epoch"], step=state.step, metrics=record)
 

@@ -193,3 +193,35 @@ def test_compile_trains_like_eager(tmp_path, toy_classification, mlp_factory) ->
     # The result is the plain module (state-dict keys without `_orig_mod.`).
     assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
     assert compiled.metrics["train/loss"] == pytest.approx(eager.metrics["train/loss"], rel=1e-4)
+
+
+def test_resuming_with_different_data_is_refused_unless_allowed(
+    tmp_path, toy_classification, mlp_factory
+) -> None:
+    x, y = toy_classification
+    stoker.fit(mlp_factory(), (x, y), epochs=1, run_dir=tmp_path, **OPTIONS)
+    assert json.loads((tmp_path / "data_fingerprint.json").read_text())["kind"] == "arrays"
+    changed = x.clone()
+    changed[0, 0] += 1.0
+    with pytest.raises(stoker.DataError, match="--allow-data-change"):
+        stoker.fit(mlp_factory(), (changed, y), epochs=2, resume=tmp_path, **OPTIONS)
+    result = stoker.fit(
+        mlp_factory(), (changed, y), epochs=2, resume=tmp_path, allow_data_change=True, **OPTIONS
+    )
+    assert len(result.history) == 2
+
+
+def test_run_dir_holds_summary_and_environment(tmp_path, toy_classification, mlp_factory):
+    x, y = toy_classification
+    result = stoker.fit(mlp_factory(), (x, y), epochs=1, run_dir=tmp_path, **OPTIONS)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] in {
+        "input-bound", "partly input-bound", "compute-bound", "transfer-bound"
+    }
+    assert set(summary["phases"]) == {
+        "data_wait", "transfer", "forward", "backward", "optimizer", "step"
+    }
+    assert json.loads((tmp_path / "environment.json").read_text())["torch"] == torch.__version__
+    record = result.metrics
+    assert record["time/step_s"] > 0 and 0 <= record["time/data_stall_pct"] <= 100
+    assert record["system/peak_rss_mib"] > 0 and record["loader/num_workers"] == 0
