@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.stoker-installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test browser lint format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,13 @@ $(STAMP): pyproject.toml $(VENV)/.torch
 demo: $(STAMP)
 	$(VENV)/bin/stoker demo
 
-test: $(STAMP)
+# The report test opens report.html in a real headless browser: Debian's chromium.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "chromium missing and not root: the browser test will be skipped"
+
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -m "not slow" -q
 

@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from stoker import __version__
-from stoker.cli import demo, train
+from stoker.cli import demo, report, train
 from stoker.errors import StokerError
 
-SUBCOMMANDS = (train, demo)
+SUBCOMMANDS = (train, demo, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,6 +21,14 @@ from torch.utils.data import (
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from stoker.data.collate import default_collate, passthrough
+from stoker.data.loader_checks import (
+    SamplerName,
+    option_problems,
+    raise_all,
+    resolve_pin_memory,
+    resolve_sampler,
+)
+from stoker.data.records import BadRecordLog, BadSample, FilteredBatch
 from stoker.data.samplers import (
     EpochRandomSampler,
     EpochWeightedSampler,
@@ -30,12 +38,8 @@ from stoker.data.samplers import (
 from stoker.data.sources import ArrayDataset, dataset_targets
 from stoker.errors import ConfigError, DataError
 
-__all__ = ["EpochLoader", "SamplerName", "build_loader"]
+__all__ = ["EpochLoader", "SamplerName", "build_loader", "skip_bad_collate"]
 
-logger = logging.getLogger("stoker")
-
-SamplerName = Literal["auto", "sequential", "random", "weighted"]
-_SAMPLERS = ("auto", "sequential", "random", "weighted")
 # Separates the worker-seed stream from the sampler's permutation stream of one epoch.
 _WORKER_STREAM = 1
 
@@ -60,6 +64,82 @@ class _SampleView(Dataset):
         return self.dataset[index]
 
 
+@dataclass(frozen=True)
+class _OrderedBatch(FilteredBatch):
+    """A FilteredBatch that keeps the order of its records, so runs of bad ones count exactly.
+
+    ``runs`` holds ``(bad, good)`` counts in batch order: ``((2, 5), (1, 0))`` is two bad
+    records, five good ones, then one bad one.
+    """
+
+    runs: tuple[tuple[int, int], ...] = ()
+
+
+class _SkipBadCollate:
+    """Collate only the good samples; report the bad ones (see :func:`skip_bad_collate`)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        # One type check per sample; this path already does Python work per sample.
+        if not any(isinstance(sample, BadSample) for sample in samples):
+            return self.collate_fn(samples)
+        good: list[Any] = []
+        bad: list[BadSample] = []
+        runs: list[tuple[int, int]] = []
+        bad_run = good_run = 0
+        for sample in samples:
+            if isinstance(sample, BadSample):
+                if good_run:
+                    runs.append((bad_run, good_run))
+                    bad_run = good_run = 0
+                bad.append(sample)
+                bad_run += 1
+            else:
+                good.append(sample)
+                good_run += 1
+        runs.append((bad_run, good_run))
+        return _OrderedBatch(self.collate_fn(good) if good else None, bad, runs=tuple(runs))
+
+    def __repr__(self) -> str:
+        return f"skip_bad_collate({self.collate_fn!r})"
+
+
+def skip_bad_collate(
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Callable[[list[Any]], Any]:
+    """Wrap a collate function so samples that are :class:`BadSample` never reach it.
+
+    Sources under ``bad_records="skip"`` return a ``BadSample`` in place of a record they
+    cannot read. The wrapped function collates the other samples with ``collate_fn`` and,
+    when any were bad, returns ``FilteredBatch(batch, bad)`` (``batch`` is None when every
+    sample was bad); :class:`EpochLoader` unwraps it. ``build_loader`` applies it to every
+    per-sample collate function, yours included.
+
+    Args:
+        collate_fn: The collate function for the good samples (default: ``default_collate``).
+
+    Returns:
+        A picklable collate function, as cheap as ``collate_fn`` when nothing is bad.
+    """
+    if isinstance(collate_fn, _SkipBadCollate):
+        return collate_fn
+    return _SkipBadCollate(collate_fn if collate_fn is not None else default_collate)
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in a collated batch, as far as its first field tells (at least 1)."""
+    size = 1
+    while isinstance(batch, tuple | list | dict) and batch:
+        # A list of strings is itself a batch of texts; a list of tensors is a batch's fields.
+        size = len(batch)
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return int(batch.shape[0])
+    return size
+
+
 class EpochLoader:
     """A DataLoader whose shuffling and worker seeds are fixed by ``(seed, epoch)``.
 
@@ -70,6 +150,14 @@ class EpochLoader:
 
     With ``persistent_workers`` the workers are seeded once, on the first pass, and
     keep their RNG state across epochs (PyTorch's behaviour).
+
+    Records a source skipped (``bad_records="skip"``) arrive as a ``FilteredBatch``; the
+    loader hands them to :attr:`bad_records`, drops batches with no good record left and
+    yields plain batches only, so the training loop never sees either type.
+
+    Attributes:
+        bad_records: Counts, writes and limits skipped records; count-only by default.
+            Set it to ``BadRecordLog(run_dir / "bad_records.jsonl", ...)`` to keep them.
     """
 
     def __init__(
@@ -103,6 +191,7 @@ class EpochLoader:
             and dataloader.collate_fn is passthrough
             and type(dataloader.batch_sampler) is BatchSampler
         )
+        self.bad_records = BadRecordLog(None)
         self.epoch = 0
         self.set_epoch(epoch)
 
@@ -126,8 +215,36 @@ class EpochLoader:
         if generator is not None:
             # Worker base seeds are drawn from this generator when the iterator is built.
             generator.manual_seed(epoch_seed(self.seed, self.epoch, stream=_WORKER_STREAM))
-        yield from self._direct_batches() if self._direct else self.dataloader
+        batches = self._direct_batches() if self._direct else self.dataloader
+        log = self.bad_records
+        for batch in batches:
+            if isinstance(batch, FilteredBatch):
+                batch = self._unwrap(batch)
+                if batch is None:
+                    continue
+            elif log.consecutive:
+                log.record_good(_batch_size(batch))
+            yield batch
         self.set_epoch(self.epoch + 1)
+
+    def _unwrap(self, filtered: FilteredBatch) -> Any:
+        """Log the skipped records of ``filtered``; its good part (None when none is left)."""
+        log, batch = self.bad_records, filtered.batch
+        if isinstance(filtered, _OrderedBatch):
+            start = 0
+            for bad, good in filtered.runs:
+                log.record_bad(filtered.bad[start : start + bad])
+                log.record_good(good)
+                start += bad
+        else:
+            # A batched source keeps no order: count its bad records before its good ones.
+            log.record_bad(filtered.bad)
+            if batch is not None:
+                log.record_good(_batch_size(batch))
+        # PyTorch's pinning passes a FilteredBatch through untouched; pin what is left.
+        if batch is not None and self.dataloader.pin_memory:
+            batch = pin_memory(batch)
+        return batch
 
     def _direct_batches(self) -> Iterator[Any]:
         """The batches the single-process DataLoader would yield, fetched with less overhead."""
@@ -179,157 +296,6 @@ def _sampler_indices(sampler: Sampler | Iterable[int]) -> torch.Tensor:
     if isinstance(sampler, SequentialSampler):
         return torch.arange(len(sampler))
     return torch.as_tensor(list(sampler), dtype=torch.long)
-
-
-class Problem(NamedTuple):
-    """One invalid or conflicting option: what is wrong, and the fix."""
-
-    message: str
-    fix: str
-
-
-def _int_problem(name: str, value: Any, minimum: int) -> Problem | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        return Problem(
-            f"loader.{name} must be an int >= {minimum}; got {value!r}.",
-            f"set loader.{name} to an int >= {minimum}",
-        )
-    return None
-
-
-def _option_problems(
-    *,
-    batch_size: Any,
-    num_workers: Any,
-    num_samples: Any,
-    prefetch_factor: Any,
-    persistent_workers: bool,
-    pin_memory: Any,
-    sampler: Any,
-) -> list[Problem]:
-    """Problems with the options that do not depend on the dataset."""
-    checks = [
-        _int_problem("batch_size", batch_size, 1),
-        _int_problem("num_workers", num_workers, 0),
-        None if num_samples is None else _int_problem("num_samples", num_samples, 1),
-        None if prefetch_factor is None else _int_problem("prefetch_factor", prefetch_factor, 1),
-    ]
-    no_workers = not isinstance(num_workers, int) or num_workers <= 0
-    rules = [
-        (
-            prefetch_factor is not None and no_workers,
-            f"loader.prefetch_factor={prefetch_factor} only applies to worker processes, "
-            f"but loader.num_workers={num_workers}.",
-            "set loader.num_workers>0 or drop loader.prefetch_factor",
-        ),
-        (
-            persistent_workers and no_workers,
-            "loader.persistent_workers=true keeps worker processes alive, "
-            f"but loader.num_workers={num_workers}.",
-            "set loader.num_workers>0 or set loader.persistent_workers=false",
-        ),
-        (
-            pin_memory != "auto" and not isinstance(pin_memory, bool),
-            f"loader.pin_memory={pin_memory!r}; expected true, false or auto.",
-            "set loader.pin_memory=auto",
-        ),
-        (
-            sampler not in _SAMPLERS,
-            f"loader.sampler={sampler!r}; expected one of {', '.join(_SAMPLERS)}.",
-            "set loader.sampler=auto",
-        ),
-    ]
-    problems = [p for p in checks if p is not None]
-    return problems + [Problem(message, fix) for bad, message, fix in rules if bad]
-
-
-def _resolve_sampler(
-    sampler: str,
-    *,
-    shuffle: bool,
-    weights: Any,
-    num_samples: int | None,
-    dataset: Dataset,
-    problems: list[Problem],
-) -> str:
-    """The sampler ``auto`` stands for; adds problems for contradicting options."""
-    streaming = isinstance(dataset, IterableDataset)
-    if streaming:
-        resolved = "sequential"
-    elif sampler == "auto":
-        # Weighted draws are random, so weights satisfy shuffle=true as well.
-        resolved = "weighted" if weights is not None else "random" if shuffle else "sequential"
-    else:
-        resolved = sampler
-    reorders = shuffle or sampler in ("random", "weighted") or weights is not None
-    what = (
-        "loader.shuffle=true" if shuffle
-        else "loader.weights" if weights is not None
-        else f"loader.sampler={sampler}"
-    )  # fmt: skip
-    rules = [
-        (
-            streaming and reorders,
-            f"{what} cannot reorder {type(dataset).__name__}: it is an IterableDataset "
-            "(a stream) that decides its own order.",
-            "shuffle or resample inside the stream (e.g. a shuffle buffer), and set "
-            "loader.shuffle=false, loader.sampler=auto and no loader.weights",
-        ),
-        (
-            not streaming and shuffle and sampler == "sequential",
-            "loader.shuffle=true conflicts with loader.sampler=sequential, which reads in order.",
-            "set loader.shuffle=false, or set loader.sampler=random (or auto)",
-        ),
-        (
-            not streaming and sampler == "weighted" and weights is None,
-            "loader.sampler=weighted needs per-sample weights, but loader.weights is unset.",
-            "set loader.weights=balanced for class balancing, or give one weight per sample",
-        ),
-        (
-            not streaming and sampler in ("sequential", "random") and weights is not None,
-            f"loader.weights is set, but loader.sampler={sampler} does not use weights.",
-            "set loader.sampler=weighted (or auto), or drop loader.weights",
-        ),
-        (
-            resolved != "weighted" and num_samples is not None,
-            f"loader.num_samples={num_samples} is only used by the weighted sampler, "
-            f"but the sampler is {resolved}.",
-            "drop loader.num_samples, or set loader.weights",
-        ),
-    ]
-    problems.extend(Problem(message, fix) for bad, message, fix in rules if bad)
-    return resolved
-
-
-def _raise_all(problems: list[Problem]) -> None:
-    """Raise one ConfigError that lists every problem found."""
-    if len(problems) == 1:
-        raise ConfigError(problems[0][0], hint=problems[0][1])
-    if problems:
-        message = "invalid loader options:\n" + "\n".join(f"  - {m}" for m, _ in problems)
-        raise ConfigError(message, hint="; ".join(h for _, h in problems))
-
-
-def _resolve_pin_memory(pin_memory: bool | str, device: str | torch.device | None) -> bool:
-    device_type = None
-    if device is not None and str(device) != "auto":
-        try:
-            device_type = torch.device(device).type
-        except (RuntimeError, ValueError) as error:
-            raise ConfigError(
-                f"device={device!r} is not a device; expected auto, cpu, cuda, cuda:N or mps.",
-                hint="set train.device=auto",
-            ) from error
-    cuda = torch.cuda.is_available()
-    if pin_memory == "auto":
-        return cuda and device_type in (None, "cuda")
-    if pin_memory and not cuda:
-        logger.warning(
-            "loader.pin_memory=true but CUDA is not available; loading without pinned "
-            "memory (set loader.pin_memory=auto to silence this)"
-        )
-        return False
-    return bool(pin_memory)
 
 
 def _dataset_length(dataset: Dataset) -> int:
@@ -414,7 +380,8 @@ def build_loader(
             available and ``device`` (if given) is a CUDA device.
         persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
         prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
-        collate_fn: Your collate function; it receives a list of samples.
+        collate_fn: Your collate function; it receives a list of samples, with any
+            ``BadSample`` (``bad_records="skip"``) already taken out.
         seed: Base seed of shuffling, weighted draws and worker seeds.
         device: The training device, used to decide ``pin_memory="auto"``.
 
@@ -426,7 +393,7 @@ def build_loader(
         DataError: An empty dataset, a map-style dataset without ``__len__``, or
             ``weights="balanced"`` for a dataset whose labels are unknown.
     """
-    problems = _option_problems(
+    problems = option_problems(
         batch_size=batch_size,
         num_workers=num_workers,
         num_samples=num_samples,
@@ -435,7 +402,7 @@ def build_loader(
         pin_memory=pin_memory,
         sampler=sampler,
     )
-    resolved = _resolve_sampler(
+    resolved = resolve_sampler(
         sampler,
         shuffle=shuffle,
         weights=weights,
@@ -443,7 +410,7 @@ def build_loader(
         dataset=dataset,
         problems=problems,
     )
-    _raise_all(problems)
+    raise_all(problems)
 
     streaming = isinstance(dataset, IterableDataset)
     if isinstance(dataset, TensorDataset):
@@ -454,11 +421,12 @@ def build_loader(
     fetched: Dataset = dataset
     if batched and collate_fn is None:
         collate_fn = passthrough
-    elif batched:
-        # A user collate_fn expects a list of samples, as PyTorch gives it.
-        fetched, batched = _SampleView(dataset), False
-    elif collate_fn is None:
-        collate_fn = default_collate
+    else:
+        if batched:
+            # A user collate_fn expects a list of samples, as PyTorch gives it.
+            fetched, batched = _SampleView(dataset), False
+        # Samples may be BadSample stand-ins (bad_records="skip"); never collate those.
+        collate_fn = skip_bad_collate(collate_fn)
 
     index_sampler: Sampler | None = None
     if resolved == "random":
@@ -481,7 +449,7 @@ def build_loader(
         sampler=index_sampler,
         num_workers=num_workers,
         collate_fn=collate_fn,
-        pin_memory=_resolve_pin_memory(pin_memory, device),
+        pin_memory=resolve_pin_memory(pin_memory, device),
         drop_last=drop_last,
         # Re-seeded by EpochLoader before every pass; never the global RNG.
         generator=torch.Generator(),

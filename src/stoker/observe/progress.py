@@ -80,8 +80,9 @@ def format_epoch_summary(epoch: int, epochs: int | None, summary: Mapping[str, f
 
     Keys come in a stable order: ``train/*``, ``val/*`` (each with ``loss`` then
     ``accuracy`` first), ``lr``, ``time/*``, ``throughput/*``, then any other key
-    sorted by name. Every numeric value is shown; strings and the ``epoch`` key (already
-    in the heading) are not.
+    sorted by name. The line is for a person at a terminal, so only the headline
+    figures are shown: the ``train``/``val`` metrics, ``lr``, epoch time, data stall
+    and throughput; everything else is in ``metrics.jsonl``, TensorBoard and the report.
 
     Example: ``epoch 3/10  train/loss 0.1234  val/loss 0.1500  time 0.84s  5123 samples/s``.
 
@@ -97,10 +98,19 @@ def format_epoch_summary(epoch: int, epochs: int | None, summary: Mapping[str, f
     shown = [
         (key, value)
         for key, value in summary.items()
-        if key != "epoch" and not isinstance(value, str)
+        if _is_headline(key) and not isinstance(value, str)
     ]
     shown.sort(key=lambda item: _order_key(item[0]))
     return "  ".join([head, *(_format_item(key, value) for key, value in shown)])
+
+
+_HEADLINE_KEYS = frozenset(
+    {"lr", "time/epoch_s", "time/data_stall_pct", "throughput/samples_per_s"}
+)
+
+
+def _is_headline(key: str) -> bool:
+    return key in _HEADLINE_KEYS or key.partition("/")[0] in ("train", "val")
 
 
 def _order_key(key: str) -> tuple[int, int, str]:
@@ -127,6 +137,8 @@ def _format_item(key: str, value: float) -> str:
         return f"lr {_format_float(float(value), spec='.2e')}"
     if key == "time/epoch_s":
         return f"time {_format_float(float(value), spec='.2f')}s"
+    if key == "time/data_stall_pct":
+        return f"data stall {_format_float(float(value), spec='.1f')}%"
     if group == "time" and name.endswith("_s"):
         return f"{key} {_format_float(float(value), spec='.2f')}s"
     if group == "throughput" and name.endswith("_per_s"):

@@ -29,6 +29,7 @@ from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.records import BadRecordLog
 from stoker.errors import CheckpointError, ConfigError
 from stoker.observe.progress import build_progress
+from stoker.observe.report import write_report
 from stoker.observe.sinks import build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
@@ -312,6 +313,7 @@ def train_run(
     summary = _write_summary(loop, run_dir)
     for line in summary_lines(summary):
         view.message(line)
+    write_report(run_dir)
     _say_where(view, run_dir, resume_hint)
     view.close()
     return FitResult(
@@ -420,3 +422,4 @@ def _say_where(view: Any, run_dir: Path, resume_hint: str | None) -> None:
         view.message(f"resume:  {resume_hint.format(run_dir=run_dir)}")
     if (run_dir / "tb").is_dir():
         view.message(f"view:    tensorboard --logdir {run_dir / 'tb'}")
+    view.message(f"report:  {run_dir / 'report.html'}")

@@ -38,14 +38,15 @@ def test_format_epoch_summary_exact() -> None:
     assert format_epoch_summary(3, 10, SUMMARY) == LINE
 
 
-def test_format_epoch_summary_order_of_other_keys() -> None:
+def test_format_epoch_summary_shows_only_headline_figures() -> None:
     summary = {
         "zeta": 2,
         "grad/norm": 1.5,
         "lr": 0.0003,
         "time/data_wait_s": 0.1234,
+        "time/data_stall_pct": 7.25,
         "val/f1": 0.5,
-        "throughput/tokens_per_s": 812345.6,
+        "throughput/samples_per_s": 812345.6,
         "train/loss": 0.00001,
         "epoch": 3,
         "note": "text is not shown",
@@ -53,7 +54,7 @@ def test_format_epoch_summary_order_of_other_keys() -> None:
     }
     assert format_epoch_summary(3, None, summary) == (
         "epoch 3  train/loss 1.000e-05  val/f1 0.5000  lr 3.00e-04  time 12.00s  "
-        "time/data_wait_s 0.12s  812346 tokens/s  grad/norm 1.5000  zeta 2"
+        "data stall 7.2%  812346 samples/s"
     )
 
 
