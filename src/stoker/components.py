@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from stoker.config import ComponentSpec, RunConfig
+from stoker.data.collate import PadCollate
 from stoker.data.sources import split_dataset
 from stoker.errors import ConfigError, DataError
 from stoker.examples.datasets import DATASETS
@@ -29,6 +30,7 @@ LOSSES: dict[str, Callable[..., nn.Module]] = {
     "smooth_l1": nn.SmoothL1Loss,
     "huber": nn.HuberLoss,
 }
+COLLATES: dict[str, Callable[..., Any]] = {"pad": PadCollate}
 CLASSIFICATION_LOSSES = frozenset({"cross_entropy", "nll", "bce_with_logits"})
 REGRESSION_LOSSES = frozenset({"mse", "l1", "smooth_l1", "huber"})
 
@@ -172,5 +174,18 @@ def build_collate_fn(config: RunConfig) -> Callable | None:
     """The custom collate function, if the config names one."""
     spec = config.loader.collate_fn
     if spec is None:
+        if config.loader.collate_args:
+            raise ConfigError(
+                "loader.collate_args is set but loader.collate_fn is not",
+                hint="set loader.collate_fn=pad (or your own), or drop loader.collate_args",
+            )
         return None
-    return resolve_callable(spec, field="loader.collate_fn", builtins={})
+    factory = resolve_callable(spec, field="loader.collate_fn", builtins=COLLATES)
+    if spec in COLLATES or config.loader.collate_args:
+        # A built-in, or a factory configured with arguments: call it to get the function.
+        return _call(
+            ComponentSpec(name=spec, args=config.loader.collate_args),
+            field="loader.collate_fn",
+            builtins=COLLATES,
+        )
+    return factory

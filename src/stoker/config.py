@@ -83,7 +83,14 @@ class LoaderConfig(Section):
         "auto", description="`auto`: shuffle map-style training data; a stream keeps its order."
     )
     drop_last: bool = False
-    sampler: Literal["auto", "sequential", "random", "weighted"] = "auto"
+    sampler: Literal["auto", "sequential", "random", "weighted", "bucket"] = Field(
+        "auto",
+        description=(
+            "`auto`: weighted if weights are given, else random when shuffling; `bucket`: "
+            "batches of similar length (the dataset's lengths()), to pad less."
+        ),
+    )
+    bucket_size_multiplier: PositiveInt = Field(50, description="`bucket`: batches per bucket.")
     weights: Literal["balanced"] | list[NonNegativeFloat] | None = Field(
         None, description="Per-sample weights for `sampler: weighted`, or `balanced` (by class)."
     )
@@ -93,7 +100,13 @@ class LoaderConfig(Section):
     )
     persistent_workers: bool = False
     prefetch_factor: PositiveInt | None = None
-    collate_fn: str | None = Field(None, description="Import path `module:callable`.")
+    collate_fn: str | None = Field(
+        None, description="`pad` (pad + attention mask), or an import path `module:callable`."
+    )
+    collate_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the collate function, e.g. {max_length: 256}.",
+    )
 
 
 class LossConfig(Section):
@@ -181,6 +194,11 @@ class TrainConfig(Section):
     )
     early_stopping: EarlyStoppingConfig | None = None
     log_every_steps: PositiveInt = Field(50, description="Steps between step-level metric records.")
+    grad_health_every: NonNegativeInt = Field(
+        100,
+        description="Record per-layer gradient norms and update/weight ratios every this many "
+        "steps (0: off).",
+    )
 
     @model_validator(mode="after")
     def _one_clipping_mode(self) -> TrainConfig:
@@ -208,6 +226,11 @@ class TrackingConfig(Section):
     tensorboard: bool | Literal["auto"] = Field(
         "auto", description="TensorBoard event files under `tb/`; `auto`: when installed."
     )
+    mlflow: bool = Field(False, description="Also log to MLflow (pip install 'stoker[mlflow]').")
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI; default: SQLite `mlflow.db` beside the run dirs."
+    )
+    mlflow_experiment: str = "stoker"
 
 
 class RunConfig(Section):

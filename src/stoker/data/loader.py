@@ -20,6 +20,7 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.pin_memory import pin_memory
 
+from stoker.data.bucketing import LengthBucketBatchSampler
 from stoker.data.collate import default_collate, passthrough
 from stoker.data.loader_checks import (
     SamplerName,
@@ -197,9 +198,11 @@ class EpochLoader:
 
     @property
     def sampler(self) -> Sampler | None:
-        """The sampler of a map-style dataset, or None for a stream."""
+        """The sampler of a map-style dataset (the batch sampler when bucketing), or None."""
         if isinstance(self.dataloader.dataset, IterableDataset):
             return None
+        if isinstance(self.dataloader.batch_sampler, LengthBucketBatchSampler):
+            return self.dataloader.batch_sampler  # type: ignore[return-value]
         return self.dataloader.sampler  # type: ignore[return-value]
 
     def set_epoch(self, epoch: int) -> None:
@@ -342,6 +345,19 @@ def _weighted_sampler(
     )
 
 
+def _lengths(dataset: Dataset) -> torch.Tensor:
+    """Per-sample lengths for bucketing, from the dataset's ``lengths()``."""
+    lengths = getattr(dataset, "lengths", None)
+    if not callable(lengths):
+        raise ConfigError(
+            f"loader.sampler=bucket needs per-sample lengths, but {type(dataset).__name__} "
+            "has no lengths() method",
+            hint="use a text dataset (JsonlDataset, TextListDataset) or add lengths() "
+            "returning one int per sample",
+        )
+    return torch.as_tensor(lengths())
+
+
 def build_loader(
     dataset: Dataset,
     *,
@@ -358,6 +374,7 @@ def build_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     seed: int = 0,
     device: str | torch.device | None = None,
+    bucket_size_multiplier: int = 50,
 ) -> EpochLoader:
     """Build a DataLoader with stoker's fast paths, wrapped in an :class:`EpochLoader`.
 
@@ -371,7 +388,8 @@ def build_loader(
         shuffle: Shuffle each epoch (picks the ``random`` sampler under ``auto``).
         drop_last: Drop the last, smaller batch.
         sampler: ``auto`` (``weighted`` if weights are given, else ``random`` if shuffle,
-            else ``sequential``), ``sequential``, ``random`` or ``weighted``.
+            else ``sequential``), ``sequential``, ``random``, ``weighted``, or ``bucket``
+            (batches of similar length, from the dataset's ``lengths()``, to pad less).
         weights: Per-sample weights for the weighted sampler, or ``"balanced"`` to
             weight each sample by ``1 / count(its class)``.
         num_samples: Draws per epoch for the weighted sampler (default: dataset length).
@@ -384,6 +402,7 @@ def build_loader(
             ``BadSample`` (``bad_records="skip"``) already taken out.
         seed: Base seed of shuffling, weighted draws and worker seeds.
         device: The training device, used to decide ``pin_memory="auto"``.
+        bucket_size_multiplier: With ``bucket``: a bucket holds this many batches.
 
     Returns:
         The loader.
@@ -442,15 +461,26 @@ def build_loader(
         if prefetch_factor is not None:
             worker_options["prefetch_factor"] = prefetch_factor
 
+    if resolved == "bucket":
+        batching: dict[str, Any] = {
+            "batch_sampler": LengthBucketBatchSampler(
+                _lengths(dataset),
+                batch_size=batch_size,
+                bucket_size_multiplier=bucket_size_multiplier,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                seed=seed,
+            )
+        }
+    else:
+        batching = {"batch_size": batch_size, "sampler": index_sampler, "drop_last": drop_last}
     dataloader = DataLoader(
         fetched,
-        batch_size=batch_size,
         shuffle=False,
-        sampler=index_sampler,
+        **batching,
         num_workers=num_workers,
         collate_fn=collate_fn,
         pin_memory=resolve_pin_memory(pin_memory, device),
-        drop_last=drop_last,
         # Re-seeded by EpochLoader before every pass; never the global RNG.
         generator=torch.Generator(),
         **worker_options,

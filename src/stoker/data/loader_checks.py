@@ -21,8 +21,8 @@ __all__ = [
 
 logger = logging.getLogger("stoker")
 
-SamplerName = Literal["auto", "sequential", "random", "weighted"]
-_SAMPLERS = ("auto", "sequential", "random", "weighted")
+SamplerName = Literal["auto", "sequential", "random", "weighted", "bucket"]
+_SAMPLERS = ("auto", "sequential", "random", "weighted", "bucket")
 
 
 class Problem(NamedTuple):
@@ -112,6 +112,11 @@ def resolve_sampler(
         else f"loader.sampler={sampler}"
     )  # fmt: skip
     rules = [
+        (
+            not streaming and sampler == "bucket" and weights is not None,
+            "loader.sampler=bucket groups samples by length and does not use loader.weights.",
+            "drop loader.weights, or use loader.sampler=weighted without bucketing",
+        ),
         (
             streaming and reorders,
             f"{what} cannot reorder {type(dataset).__name__}: it is an IterableDataset "

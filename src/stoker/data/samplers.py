@@ -1,19 +1,31 @@
-"""Samplers seeded per (seed, epoch), independent of the global RNG: random, weighted, balanced."""
+"""Samplers seeded by (seed, epoch) alone: random and weighted, split across ranks, resumable."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from stoker.errors import ConfigError, DataError
 
-__all__ = ["EpochRandomSampler", "EpochWeightedSampler", "balanced_weights", "epoch_seed"]
+__all__ = [
+    "EpochPosition",
+    "EpochRandomSampler",
+    "EpochWeightedSampler",
+    "balanced_weights",
+    "epoch_seed",
+    "rank_and_world_size",
+    "rank_slice",
+]
 
 _MASK64 = (1 << 64) - 1
+# Streams of epoch_seed; 1 is the loader's worker seeds. Rank r's draws use _RANK_STREAM + r.
+_RANK_STREAM = 1 << 32
 
 
 def _splitmix64(x: int) -> int:
@@ -39,8 +51,102 @@ def epoch_seed(seed: int, epoch: int, *, stream: int = 0) -> int:
     return x & ((1 << 63) - 1)
 
 
-def _generator(seed: int, epoch: int) -> torch.Generator:
-    return torch.Generator().manual_seed(epoch_seed(seed, epoch))
+def _generator(seed: int, epoch: int, *, stream: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(epoch_seed(seed, epoch, stream=stream))
+
+
+def rank_and_world_size(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """This process's ``(rank, world_size)``: the given values, else torch.distributed's.
+
+    Without an initialized process group the defaults are ``(0, 1)``.
+
+    Raises:
+        ConfigError: A world size below 1, or a rank outside ``[0, world_size)``.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(
+            f"world_size must be an int >= 1; got {world_size!r}.",
+            hint="leave world_size unset to take it from torch.distributed",
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(
+            f"rank must be an int in [0, {world_size}); got {rank!r}.",
+            hint="leave rank unset to take it from torch.distributed, or pass rank=dist.get_rank()",
+        )
+    return rank, world_size
+
+
+def rank_slice(order: torch.Tensor, rank: int, world_size: int, *, drop_last: bool) -> torch.Tensor:
+    """Rank ``rank``'s share of an order shared by all ranks, as ``DistributedSampler`` cuts it.
+
+    The order is first made a multiple of ``world_size``: its tail is dropped
+    (``drop_last``) or its head repeated, so every rank gets the same number of items.
+    """
+    if world_size == 1:
+        return order
+    n = order.numel()
+    if drop_last:
+        order = order[: n // world_size * world_size]
+    elif n % world_size and n:
+        missing = world_size - n % world_size
+        order = torch.cat([order, order.repeat(math.ceil(missing / n))[:missing]])
+    return order[rank::world_size]
+
+
+class EpochPosition:
+    """How far the pass over one epoch's order has got; where the next pass starts.
+
+    ``yielded`` counts what the current (or last) pass handed out. :meth:`restore`
+    makes the next pass start after that many items instead of at 0, once.
+    """
+
+    def __init__(self) -> None:
+        self.yielded = 0
+        self._resume = False
+
+    def reset(self) -> None:
+        """Forget the position (a new epoch starts at 0)."""
+        self.yielded, self._resume = 0, False
+
+    def restore(self, count: int) -> None:
+        """Make the next pass skip the first ``count`` items."""
+        self.yielded, self._resume = int(count), count > 0
+
+    def peek(self) -> int:
+        """Where the next pass would start."""
+        return self.yielded if self._resume else 0
+
+    def begin(self) -> int:
+        """Start a pass: returns how many items to skip, and counts them as yielded."""
+        start = self.peek()
+        self.yielded, self._resume = start, False
+        return start
+
+
+def _check_resume(name: str, state: dict[str, Any], *, world_size: int, total: int) -> int:
+    """The position in ``state``, checked against this sampler's world size and epoch length."""
+    count = int(state.get("samples_yielded", 0))
+    saved_world = int(state.get("world_size", world_size))
+    if count and saved_world != world_size:
+        raise ConfigError(
+            f"{name} state was saved mid-epoch with world_size={saved_world}, but this run "
+            f"has world_size={world_size}; a mid-epoch position only means something for "
+            "the same number of ranks.",
+            hint="resume with the same number of processes, or drop 'samples_yielded' from "
+            "the state to restart the epoch",
+        )
+    if not 0 <= count <= total:
+        raise ConfigError(
+            f"{name} state has samples_yielded={count}, but an epoch has {total} samples "
+            "on this rank.",
+            hint="load the state this sampler's state_dict() returned, with the same dataset",
+        )
+    return count
 
 
 class EpochRandomSampler(Sampler[int]):
@@ -49,14 +155,38 @@ class EpochRandomSampler(Sampler[int]):
     Unlike ``RandomSampler`` it never touches the global RNG, so a run resumed at
     epoch ``e`` sees exactly the order it would have seen. Call :meth:`set_epoch`
     before each epoch (``EpochLoader`` does).
+
+    Distributed: every rank draws the same permutation and takes every
+    ``world_size``-th index from its rank on, after the permutation is padded by
+    repeating its head (or cut, with ``drop_last``) to a multiple of ``world_size``,
+    as ``DistributedSampler`` does. The ranks' shares are disjoint (but for the
+    padding) and together cover the dataset.
+
+    Mid-epoch resume: ``state_dict()`` records how many indices this pass handed
+    out (``samples_yielded``, present only while a pass is unfinished), and after
+    :meth:`load_state_dict` the next pass of that epoch skips them. A DataLoader with
+    workers draws indices ahead of the batches it has delivered (its prefetch), so
+    there the count runs ahead; with ``num_workers=0`` it is exact per batch.
     """
 
-    def __init__(self, num_samples: int, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
         """Build the sampler.
 
         Args:
             num_samples: Size of the dataset; indices run over ``range(num_samples)``.
-            seed: Base seed, mixed with the epoch.
+            seed: Base seed, mixed with the epoch; the same on every rank.
+            rank: This process's rank; defaults to torch.distributed's, else 0.
+            world_size: Number of ranks; defaults to torch.distributed's, else 1.
+            drop_last: With several ranks, drop the tail that does not divide evenly
+                instead of repeating indices to fill the last round.
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
             raise DataError(
@@ -65,30 +195,62 @@ class EpochRandomSampler(Sampler[int]):
             )
         self.num_samples = num_samples
         self.seed = int(seed)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
+        self.drop_last = drop_last
         self.epoch = 0
+        self._position = EpochPosition()
+
+    @property
+    def samples_yielded(self) -> int:
+        """Indices handed out by the current (or last) pass of this epoch."""
+        return self._position.yielded
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch``."""
+        """Select the permutation of ``epoch``; a different epoch starts from its beginning."""
+        if int(epoch) != self.epoch:
+            self._position.reset()
         self.epoch = int(epoch)
 
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's whole order for the epoch, as one int64 tensor."""
+        order = torch.randperm(self.num_samples, generator=_generator(self.seed, self.epoch))
+        return rank_slice(order, self.rank, self.world_size, drop_last=self.drop_last)
+
     def indices(self) -> torch.Tensor:
-        """This epoch's order as one int64 tensor (what ``__iter__`` yields)."""
-        return torch.randperm(self.num_samples, generator=_generator(self.seed, self.epoch))
+        """What the next ``__iter__`` yields: the epoch's order after any resumed position."""
+        return self.epoch_indices()[self._position.peek() :]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        order = self.epoch_indices()
+        start = self._position.begin()
+        for index in order[start:].tolist():
+            self._position.yielded += 1
+            yield index
 
     def __len__(self) -> int:
-        return self.num_samples
+        if self.drop_last:
+            return self.num_samples // self.world_size
+        return math.ceil(self.num_samples / self.world_size)
 
     def state_dict(self) -> dict[str, int]:
-        """What resumes this sampler: ``{"seed", "epoch"}``."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
+
+        While a pass is unfinished the state also holds ``samples_yielded`` and
+        ``world_size``; a finished (or unstarted) pass leaves the epoch to say it all.
+        """
+        state = {"seed": self.seed, "epoch": self.epoch}
+        if 0 < self._position.yielded < len(self):
+            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
+        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
+        count = _check_resume(
+            "EpochRandomSampler", state, world_size=self.world_size, total=len(self)
+        )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+        self._position.restore(count)
 
 
 def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
@@ -144,7 +306,16 @@ def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
 
 
 class EpochWeightedSampler(Sampler[int]):
-    """``WeightedRandomSampler`` whose draws are determined by ``(seed, epoch)`` alone."""
+    """``WeightedRandomSampler`` whose draws are determined by ``(seed, epoch)`` alone.
+
+    Distributed, with replacement: each rank makes ``ceil(num_samples / world_size)``
+    draws from its own random stream (rank 0 of one process draws what a single
+    process would). Without replacement: every rank makes the same draw of
+    ``num_samples`` and takes every ``world_size``-th, so no index repeats across
+    ranks (but for the padding that evens out the last round).
+
+    Mid-epoch resume works as for :class:`EpochRandomSampler`.
+    """
 
     def __init__(
         self,
@@ -154,21 +325,25 @@ class EpochWeightedSampler(Sampler[int]):
         replacement: bool = True,
         seed: int = 0,
         dataset_len: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         """Build the sampler.
 
         Args:
             weights: One non-negative, finite weight per sample (need not sum to 1).
-            num_samples: Draws per epoch; defaults to ``len(weights)``.
+            num_samples: Draws per epoch over all ranks; defaults to ``len(weights)``.
             replacement: Draw with replacement (the usual choice for class balancing).
-            seed: Base seed, mixed with the epoch.
+            seed: Base seed, mixed with the epoch (and, with replacement, the rank).
             dataset_len: Length of the dataset, checked against ``len(weights)``.
+            rank: This process's rank; defaults to torch.distributed's, else 0.
+            world_size: Number of ranks; defaults to torch.distributed's, else 1.
 
         Raises:
             DataError: Weights that are not 1-D, not finite, negative, all zero, or of
                 the wrong length.
-            ConfigError: ``num_samples`` below 1, or more draws without replacement
-                than samples with positive weight.
+            ConfigError: ``num_samples`` below 1, more draws without replacement
+                than samples with positive weight, or a bad rank or world size.
         """
         self.weights = _validate_weights(weights, dataset_len)
         if num_samples is None:
@@ -189,35 +364,68 @@ class EpochWeightedSampler(Sampler[int]):
         self.num_samples = num_samples
         self.replacement = replacement
         self.seed = int(seed)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.epoch = 0
+        self._position = EpochPosition()
+
+    @property
+    def samples_yielded(self) -> int:
+        """Indices handed out by the current (or last) pass of this epoch."""
+        return self._position.yielded
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the draws of ``epoch``."""
+        """Select the draws of ``epoch``; a different epoch starts from its beginning."""
+        if int(epoch) != self.epoch:
+            self._position.reset()
         self.epoch = int(epoch)
 
-    def indices(self) -> torch.Tensor:
-        """This epoch's draws as one int64 tensor (what ``__iter__`` yields)."""
-        return torch.multinomial(
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's whole draw for the epoch, as one int64 tensor."""
+        if self.world_size > 1 and self.replacement:
+            # Independent draws need no coordination: a stream of its own per rank.
+            generator = _generator(self.seed, self.epoch, stream=_RANK_STREAM + self.rank)
+            return torch.multinomial(self.weights, len(self), True, generator=generator)
+        draws = torch.multinomial(
             self.weights,
             self.num_samples,
             self.replacement,
             generator=_generator(self.seed, self.epoch),
         )
+        return rank_slice(draws, self.rank, self.world_size, drop_last=False)
+
+    def indices(self) -> torch.Tensor:
+        """What the next ``__iter__`` yields: the epoch's draws after any resumed position."""
+        return self.epoch_indices()[self._position.peek() :]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        order = self.epoch_indices()
+        start = self._position.begin()
+        for index in order[start:].tolist():
+            self._position.yielded += 1
+            yield index
 
     def __len__(self) -> int:
-        return self.num_samples
+        return math.ceil(self.num_samples / self.world_size)
 
     def state_dict(self) -> dict[str, int]:
-        """What resumes this sampler: ``{"seed", "epoch"}``."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
+
+        While a pass is unfinished the state also holds ``samples_yielded`` and
+        ``world_size``.
+        """
+        state = {"seed": self.seed, "epoch": self.epoch}
+        if 0 < self._position.yielded < len(self):
+            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
+        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
+        count = _check_resume(
+            "EpochWeightedSampler", state, world_size=self.world_size, total=len(self)
+        )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+        self._position.restore(count)
 
 
 def balanced_weights(targets: torch.Tensor | np.ndarray | Sequence[Any]) -> torch.Tensor:

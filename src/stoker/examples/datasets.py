@@ -6,6 +6,8 @@ import numpy as np
 import torch
 
 from stoker.data.sources import ArrayDataset
+from stoker.data.text import TextListDataset
+from stoker.data.tokenizers import ByteTokenizer, CharTokenizer
 from stoker.errors import ConfigError
 
 
@@ -48,3 +50,38 @@ def seed_regression(*, n_rows: int = 10_000, n_features: int = 10, seed: int = 0
 
 
 DATASETS = {"digits": digits, "seed_tabular": seed_tabular, "seed_regression": seed_regression}
+
+
+def stdlib_docstrings(
+    *, tokenizer: str = "byte", max_length: int = 256, split: str = "all", seed: int = 0
+) -> TextListDataset:
+    """Standard-library docstrings labeled by package, tokenized (see ``stoker.examples.text``).
+
+    Args:
+        tokenizer: ``byte`` (UTF-8 bytes) or ``char`` (a character vocabulary).
+        max_length: Tokens kept per text.
+        split: ``all``, or ``train``/``val`` for a fixed 80/20 split by ``seed``.
+        seed: Seed of that split.
+    """
+    from stoker.examples.text import stdlib_docstrings as load
+
+    texts, labels = load()
+    if split != "all":
+        order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed))
+        cut = int(0.8 * len(texts))
+        keep = order[:cut] if split == "train" else order[cut:]
+        texts = [texts[i] for i in keep.tolist()]
+        labels = [labels[i] for i in keep.tolist()]
+    if tokenizer == "byte":
+        tok = ByteTokenizer(max_length=max_length)
+    elif tokenizer == "char":
+        tok = CharTokenizer.fit(texts, max_length=max_length)
+    else:
+        raise ConfigError(
+            f"data.train.args.tokenizer: {tokenizer!r} is not one of byte, char",
+            hint="set tokenizer: byte",
+        )
+    return TextListDataset(texts, labels, tokenizer=tok)
+
+
+DATASETS["stdlib_docstrings"] = stdlib_docstrings

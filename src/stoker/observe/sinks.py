@@ -260,6 +260,7 @@ def build_sinks(
     *,
     jsonl: bool = True,
     tensorboard: bool | Literal["auto"] = "auto",
+    mlflow: Mapping[str, Any] | None = None,
 ) -> MultiSink:
     """Builds the sinks of a run.
 
@@ -268,6 +269,8 @@ def build_sinks(
         jsonl: Write ``metrics.jsonl``.
         tensorboard: Write TensorBoard event files under ``tb/``. ``"auto"`` writes them
             when the ``tensorboard`` package is installed and logs one warning when not.
+        mlflow: Keyword arguments of an ``MlflowSink`` (tracking_uri, experiment, params),
+            or None for no MLflow logging.
 
     Returns:
         One sink that fans out to the enabled ones.
@@ -290,6 +293,10 @@ def build_sinks(
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tb"))
+        if mlflow is not None:
+            from stoker.observe.mlflow_sink import MlflowSink
+
+            sinks.append(MlflowSink(run_dir=run_dir, **mlflow))
     except BaseException:
         # Do not leak the JSONL file handle when the TensorBoard sink cannot start.
         MultiSink(sinks).close()

@@ -19,6 +19,8 @@ class GradClipper:
         self.max_norm = max_norm
         self.max_value = max_value
         self.clipped_steps = torch.zeros((), dtype=torch.long)
+        #: Whether the last ``clip_`` clipped (a device tensor; False when not clipping).
+        self.last_clipped: torch.Tensor | bool = False
 
     def clip_(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         """Clip the gradients in place; returns the pre-clip total L2 norm."""
@@ -38,6 +40,7 @@ class GradClipper:
         return norm
 
     def _count(self, clipped: torch.Tensor) -> None:
+        self.last_clipped = clipped
         if self.clipped_steps.device != clipped.device:
             self.clipped_steps = self.clipped_steps.to(clipped.device)
         self.clipped_steps += clipped.long()

@@ -18,6 +18,7 @@ from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
 from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
 from stoker.train.evaluate import evaluate
+from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper, first_nonfinite_grad
 from stoker.train.metrics import Task, TaskMetrics
 from stoker.train.precision import Precision
@@ -71,6 +72,7 @@ class Loop:
     on_epoch_end: EpochEndHook
     timer: PhaseTimer
     system: SystemMonitor
+    health: GradHealth
     epochs: int
     max_steps: int | None = None
     grad_accum_steps: int = 1
@@ -79,6 +81,7 @@ class Loop:
     ignore_index: int = -100
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
+    warned: set[str] = field(default_factory=set)
 
     def finished(self) -> bool:
         return self.state.epoch >= self.epochs or self.out_of_steps()
@@ -139,7 +142,9 @@ def train_step(
 
     # 6. Unscale (fp16) so the norm is the true one, measure it, clip.
     loop.precision.unscale_(loop.optimizer)
+    loop.health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
     grad_norm = loop.clipper.clip_(loop.model.parameters())
+    loop.health.observe_clip(loop.clipper.last_clipped)
     _halt_on_nonfinite(loop, step_loss, grad_norm)  # CPU–GPU sync point, once per step.
 
     # 7. Optimizer step (the scaler skips it if an fp16 gradient overflowed), clear grads.
@@ -149,6 +154,8 @@ def train_step(
     loop.scheduler.step()
     timer.lap("optimizer")
     timer.end_step()
+    if health := loop.health.after_step(loop.model):  # a sync, on sampled steps only
+        loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health})
 
     # 9. Record, on the device; read only every `log_every_steps`.
     state.step += 1
@@ -233,6 +240,10 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     record.update(loop.system.sample(num_workers=_num_workers(loop.train_loader)))
     if loop.clipper.max_norm is not None or loop.clipper.max_value is not None:
         record["grad/clip_rate"] = loop.clipper.clipped_steps.item() / max(state.step, 1)
+    for warning in loop.health.warnings():
+        if warning not in loop.warned:
+            loop.warned.add(warning)
+            loop.progress.message(f"warning: {warning}")
     return record
 
 

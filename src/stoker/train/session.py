@@ -34,6 +34,7 @@ from stoker.observe.sinks import build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
+from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
@@ -170,6 +171,7 @@ def build_train_loader(
         "pin_memory": loader_cfg.pin_memory,
         "persistent_workers": loader_cfg.persistent_workers,
         "prefetch_factor": loader_cfg.prefetch_factor,
+        "bucket_size_multiplier": loader_cfg.bucket_size_multiplier,
     }
     options.update(overrides)
     return build_loader(dataset, collate_fn=collate_fn, seed=config.seed, device=device, **options)
@@ -250,7 +252,16 @@ def train_run(
         write_fingerprint(fingerprint, run_dir)
 
     called_model = torch.compile(model) if config.train.compile else model
-    sink = build_sinks(run_dir, tensorboard=config.tracking.tensorboard)
+    tracking = config.tracking
+    mlflow = None
+    if tracking.mlflow:
+        mlflow = {
+            "tracking_uri": tracking.mlflow_uri,
+            "experiment": tracking.mlflow_experiment,
+            "run_name": run_dir.name,
+            "params": config.to_dict(),
+        }
+    sink = build_sinks(run_dir, tensorboard=tracking.tensorboard, mlflow=mlflow)
     view = build_progress(progress)  # type: ignore[arg-type]
     if resume is not None:
         view.message(f"resuming {run_dir} after epoch {state.epoch} (step {state.step})")
@@ -296,6 +307,7 @@ def train_run(
         on_epoch_end=save_checkpoint,
         timer=PhaseTimer(device),
         system=SystemMonitor(device),
+        health=GradHealth(config.train.grad_health_every, optimizer_kind=config.optim.name),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
         grad_accum_steps=config.train.grad_accum_steps,

@@ -216,12 +216,39 @@ def test_run_dir_holds_summary_and_environment(tmp_path, toy_classification, mlp
     result = stoker.fit(mlp_factory(), (x, y), epochs=1, run_dir=tmp_path, **OPTIONS)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["verdict"] in {
-        "input-bound", "partly input-bound", "compute-bound", "transfer-bound"
+        "input-bound",
+        "partly input-bound",
+        "compute-bound",
+        "transfer-bound",
     }
     assert set(summary["phases"]) == {
-        "data_wait", "transfer", "forward", "backward", "optimizer", "step"
+        "data_wait",
+        "transfer",
+        "forward",
+        "backward",
+        "optimizer",
+        "step",
     }
     assert json.loads((tmp_path / "environment.json").read_text())["torch"] == torch.__version__
     record = result.metrics
     assert record["time/step_s"] > 0 and 0 <= record["time/data_stall_pct"] <= 100
     assert record["system/peak_rss_mib"] > 0 and record["loader/num_workers"] == 0
+
+
+def test_gradient_health_is_recorded_and_adam_clipping_warned(
+    tmp_path, toy_classification, mlp_factory, capsys
+) -> None:
+    x, y = toy_classification
+    stoker.fit(
+        mlp_factory(), (x, y), epochs=3, batch_size=16, optimizer="adam", clip_grad_norm=1e-6,
+        grad_health_every=10, run_dir=tmp_path, tensorboard=False, progress="plain",
+    )
+    out = capsys.readouterr().out
+    assert "warning: gradient clipping acted on 100% of the last" in out
+    assert "Lower optim.lr instead" in out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    health = [r for r in records if "grad/layer/0.weight" in r]
+    assert [r["step"] for r in health] == [1, 11, 21, 31, 41]  # sampled every 10 steps
+    assert all(r["update_ratio/0.weight"] > 0 for r in health)
+    epochs = [r for r in records if "grad/clip_rate" in r]
+    assert epochs[-1]["grad/clip_rate"] == pytest.approx(1.0)

@@ -9,6 +9,7 @@ from torch import nn
 from stoker.errors import DataError, TrainingError
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer
+from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper, first_nonfinite_grad
 from stoker.train.loop import Loop, Monitor, StepWindow, train_step
 from stoker.train.metrics import TaskMetrics
@@ -59,6 +60,7 @@ def _loop(
         on_epoch_end=lambda loop, record: None,
         timer=PhaseTimer(torch.device("cpu")),
         system=SystemMonitor(torch.device("cpu")),
+        health=GradHealth(0, optimizer_kind="sgd"),
         epochs=1,
         grad_accum_steps=accum,
     )
@@ -184,6 +186,7 @@ def test_precision_state_refuses_a_different_mode() -> None:
 def test_token_normalization_matches_one_batch_of_all_real_tokens() -> None:
     """Two micro-batches with different real-token counts: the accumulated gradient is the
     gradient of the mean over every real token of the step, not the mean of two means."""
+
     class PerToken(nn.Module):
         def __init__(self) -> None:
             super().__init__()
