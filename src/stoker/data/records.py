@@ -49,9 +49,7 @@ class BadRecordError(DataError):
         self.sample = sample
 
 
-def bad_record(
-    policy: BadRecordPolicy, *, source: str, location: str, reason: str
-) -> BadSample:
+def bad_record(policy: BadRecordPolicy, *, source: str, location: str, reason: str) -> BadSample:
     """Raise under ``error``; return the stand-in under ``skip``. Sources call this."""
     sample = BadSample(source=str(source), location=location, reason=reason)
     if policy == "error":
