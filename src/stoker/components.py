@@ -15,10 +15,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from stoker.config import ComponentSpec, RunConfig
+from stoker.data.builtins import SOURCES
 from stoker.data.collate import PadCollate
 from stoker.data.sources import split_dataset
 from stoker.errors import ConfigError, DataError
-from stoker.examples.datasets import DATASETS
+from stoker.examples.datasets import DATASETS as EXAMPLE_DATASETS
 from stoker.examples.models import MODELS
 
 LOSSES: dict[str, Callable[..., nn.Module]] = {
@@ -31,6 +32,7 @@ LOSSES: dict[str, Callable[..., nn.Module]] = {
     "huber": nn.HuberLoss,
 }
 COLLATES: dict[str, Callable[..., Any]] = {"pad": PadCollate}
+DATASETS: dict[str, Callable[..., Any]] = {**SOURCES, **EXAMPLE_DATASETS}
 CLASSIFICATION_LOSSES = frozenset({"cross_entropy", "nll", "bce_with_logits"})
 REGRESSION_LOSSES = frozenset({"mse", "l1", "smooth_l1", "huber"})
 

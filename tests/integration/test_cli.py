@@ -38,8 +38,10 @@ def test_demo_trains_and_fills_the_run_dir(tmp_path: Path) -> None:
     epochs = [r for r in records if "val/accuracy" in r]
     assert len(epochs) == 3
     assert epochs[-1]["val/accuracy"] > 0.8
-    step_records = [r for r in records if "val/accuracy" not in r]
+    step_records = [r for r in records if "val/accuracy" not in r and "train/loss" in r]
     assert step_records and {"step", "train/loss", "lr", "grad/norm"} <= set(step_records[0])
+    health = [r for r in records if "grad/layer/0.weight" in r]
+    assert health and "update_ratio/0.weight" in health[0]
     bundle = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert bundle["train_state"]["epoch"] == 3
 

@@ -196,7 +196,7 @@ def test_iterable_dataset_is_streamed_in_order() -> None:
         ({"sampler": "random", "weights": "balanced"}, r"does not use weights"),
         ({"num_samples": 10}, r"only used by the weighted sampler"),
         ({"weights": "uniform"}, r"'uniform' is not understood"),
-        ({"sampler": "bucket"}, r"loader.sampler='bucket'"),
+        ({"sampler": "bucketed"}, r"loader.sampler='bucketed'"),
     ],
 )
 def test_config_errors_name_the_key(options: dict, pattern: str) -> None:
@@ -231,3 +231,37 @@ def test_set_epoch_reaches_the_sampler() -> None:
     loader = build_loader(array_dataset(), shuffle=True)
     loader.set_epoch(4)
     assert loader.sampler.epoch == 4 and loader.state_dict() == {"epoch": 4}
+
+
+def test_bucket_sampler_with_pad_collate_gives_masked_batches_of_similar_length() -> None:
+    from stoker.data.collate import PadCollate
+    from stoker.data.text import TextListDataset
+    from stoker.data.tokenizers import ByteTokenizer
+
+    texts = ["x" * (1 + (i * 37) % 90) for i in range(200)]
+    dataset = TextListDataset(texts, [i % 3 for i in range(200)], tokenizer=ByteTokenizer())
+    loader = build_loader(
+        dataset,
+        batch_size=8,
+        shuffle=True,
+        sampler="bucket",
+        collate_fn=PadCollate(),
+        bucket_size_multiplier=5,
+    )
+    batches = list(loader)
+    assert len(batches) == len(loader) == 25
+    seen = 0
+    padded = 0
+    for inputs, labels in batches:
+        mask = inputs["attention_mask"]
+        assert inputs["input_ids"].shape == mask.shape and labels.shape == (mask.shape[0],)
+        seen += mask.shape[0]
+        padded += int((mask == 0).sum())
+    assert seen == 200
+    total = sum(len(t) for t in texts)
+    assert padded / (padded + total) < 0.2  # random batches of 8 would pad ~45%
+
+
+def test_bucket_sampler_needs_lengths() -> None:
+    with pytest.raises(ConfigError, match="lengths"):
+        build_loader(ArrayDataset(torch.zeros(10, 2)), sampler="bucket")

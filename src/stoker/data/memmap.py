@@ -1,0 +1,372 @@
+"""NpyDataset: samples read from .npy files (memory-mapped or by position), a batch per read."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from stoker.errors import ConfigError, DataError
+
+__all__ = ["TARGET_NAMES", "NpyDataset", "NpyFields"]
+
+#: Field names taken as the target (the labels), in this order of preference.
+TARGET_NAMES = ("label", "labels", "target", "targets", "y")
+
+PathLike = str | os.PathLike[str]
+NpyFields = PathLike | Mapping[str, PathLike] | Sequence[PathLike]
+
+# A page fault on a cached file maps up to this much around the page (Linux "fault-around"),
+# so reading one row can map 64 KiB of the file into the process.
+_FAULT_AROUND = 64 << 10
+# Python exposes madvise only where the OS has it (not on Windows).
+_CAN_RELEASE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+# pread reads at an offset in one call (no shared file position); elsewhere seek + read.
+_HAS_PREAD = hasattr(os, "pread")
+
+
+def normalize_indices(
+    indices: Sequence[int] | torch.Tensor | np.ndarray, length: int
+) -> np.ndarray:
+    """Sample indices as a 1-D int64 array in ``[0, length)``; negative ones count from the end.
+
+    Raises:
+        IndexError: An index outside ``[-length, length)``.
+    """
+    if isinstance(indices, torch.Tensor):
+        idx = indices.detach().to("cpu", torch.long).numpy().reshape(-1)
+    else:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        return idx
+    low, high = idx.min(), idx.max()
+    if low < -length or high >= length:
+        bad = int(low) if low < -length else int(high)
+        raise IndexError(f"sample index {bad} is out of range for a dataset of {length} samples")
+    if low < 0:
+        idx = np.where(idx < 0, idx + length, idx)
+    return idx
+
+
+def _field_paths(fields: NpyFields) -> tuple[tuple[str, ...], tuple[Path, ...]]:
+    """Names and paths of the fields, in sample order."""
+    if isinstance(fields, Mapping):
+        return tuple(str(name) for name in fields), tuple(Path(p) for p in fields.values())
+    if isinstance(fields, str | os.PathLike):
+        folder = Path(fields)
+        if not folder.exists():
+            raise DataError(
+                f"NpyDataset path {folder} does not exist; expected a folder of .npy files "
+                "or a .npy file.",
+                hint="check the path (convert a CSV with `stoker data convert ... --to npy`)",
+            )
+        if not folder.is_dir():
+            return (folder.stem,), (folder,)
+        paths = sorted(folder.glob("*.npy"), key=lambda p: p.name)
+        if not paths:
+            raise DataError(
+                f"NpyDataset folder {folder} holds no *.npy files; expected one file per "
+                "field (e.g. features.npy and target.npy).",
+                hint="point at the folder the .npy files are in",
+            )
+        names = [p.stem for p in paths]
+        # Samples go to the loop as (inputs, targets, *extra): the target comes second.
+        target = next((n for n in TARGET_NAMES if n in names), None)
+        if target is not None and len(names) > 1:
+            position = names.index(target)
+            names.insert(1, names.pop(position))
+            paths.insert(1, paths.pop(position))
+        return tuple(names), tuple(paths)
+    paths = [Path(p) for p in fields]
+    names = [p.stem for p in paths]
+    if len(set(names)) != len(names):
+        raise DataError(
+            f"NpyDataset got files with the same name {[str(p) for p in paths]}; "
+            "each field is named after its file, so names must differ.",
+            hint="pass a mapping instead, e.g. NpyDataset({'x': path1, 'y': path2})",
+        )
+    return tuple(names), tuple(paths)
+
+
+def _open_npy(path: Path) -> np.memmap:
+    """Map one field; nothing but the header is read until it is indexed."""
+    if not path.is_file():
+        raise DataError(
+            f"NpyDataset field file {path} does not exist.",
+            hint="check the path, or the folder the .npy files were written to",
+        )
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:
+        raise DataError(
+            f"NpyDataset cannot read {path} as a .npy file: {error}",
+            hint="write the field with numpy.save (or convert a CSV with stoker data convert)",
+        ) from error
+    if not isinstance(array, np.ndarray):
+        raise DataError(
+            f"NpyDataset field file {path} is a .npz archive; expected one .npy file per field.",
+            hint="save each array on its own with numpy.save",
+        )
+    if array.ndim == 0 or array.dtype.kind not in "biufc":
+        what = "a scalar (0-d)" if array.ndim == 0 else f"of dtype {array.dtype}"
+        raise DataError(
+            f"NpyDataset field file {path} holds an array {what}; expected numbers with "
+            "one row per sample.",
+            hint="save a numeric array whose first dimension indexes the samples",
+        )
+    return array
+
+
+def _native(rows: np.ndarray) -> np.ndarray:
+    native = rows.dtype.newbyteorder("=")
+    return rows if rows.dtype == native else rows.astype(native)
+
+
+def _read_at(stream: io.RawIOBase, size: int, offset: int) -> bytes:
+    stream.seek(offset)
+    return stream.read(size) or b""
+
+
+def _read_rows(path: Path, array: np.memmap, idx: np.ndarray) -> np.ndarray:
+    """The rows at sorted ``idx`` read by position into a new array; nothing is mapped."""
+    row_shape = array.shape[1:]
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * array.itemsize
+    if not idx.size:
+        return np.empty((0, *row_shape), dtype=array.dtype)
+    # Runs of consecutive rows are read in one call: a sequential batch is a single read.
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    sizes = (np.diff(np.append(starts, idx.size)) * row_bytes).tolist()
+    offsets = (array.offset + idx[starts] * row_bytes).tolist()
+    with path.open("rb", buffering=0) as stream:
+        pairs = zip(sizes, offsets, strict=True)
+        if _HAS_PREAD:
+            fd = stream.fileno()
+            parts = [os.pread(fd, size, offset) for size, offset in pairs]
+        else:
+            parts = [_read_at(stream, size, offset) for size, offset in pairs]
+    # bytearray: one copy, and a writable buffer that torch.from_numpy accepts silently.
+    data = bytearray().join(parts)
+    if len(data) != idx.size * row_bytes:
+        raise DataError(
+            f"NpyDataset file {path} is shorter than its header says (a partial write?).",
+            hint="write the file again",
+        )
+    return np.frombuffer(data, dtype=array.dtype).reshape(idx.size, *row_shape)
+
+
+class NpyDataset(Dataset):
+    """Samples stored as .npy files, one file per field; the files need not fit in memory.
+
+    Opening reads only the headers. ``__getitems__`` sorts a batch's indices (so reads
+    move forward through the files), reads those rows of every field, restores the
+    requested order and returns one collated batch of tensors that own their memory.
+
+    Two ways to read (``mmap``):
+
+    - ``True``: through memory maps, one fancy-index per field; the fastest. Mapped
+      pages count toward the process's resident memory (RSS) although they are the OS
+      page cache. Contiguous reads (a sequential epoch) hand them back after about
+      ``max_mapped_mib`` (``madvise(MADV_DONTNEED)``; they stay cached), so RSS stays
+      bounded. Scattered reads do not: each row maps at least the kernel's
+      fault-around window (64 KiB), recent kernels map a whole page-cache folio (up
+      to 2 MiB), and handing those back only makes the next batch map them again
+      (13x slower in ``benchmarks/memory.py``), so a shuffled epoch maps most of the
+      file into RSS.
+    - ``False``: by position (``pread``), one read per run of consecutive rows:
+      nothing is mapped, RSS holds the batch only, whatever the order. Use it for
+      shuffled epochs when RSS must stay small (slower than mapped reads when shuffled).
+
+    Picklable for DataLoader workers: mapped arrays are not pickled; each process maps
+    the files again on first use.
+
+    Example:
+        >>> ds = NpyDataset("data/train")  # data/train/features.npy, data/train/target.npy
+        >>> x, y = ds.__getitems__([3, 0, 7])
+    """
+
+    #: ``__getitems__`` returns one collated batch, not a list of samples.
+    returns_batches = True
+
+    def __init__(
+        self, fields: NpyFields, *, mmap: bool = True, max_mapped_mib: int | None = 128
+    ) -> None:
+        """Open the fields.
+
+        Args:
+            fields: A folder (every ``*.npy`` in it, one field per file, sorted by name,
+                except that a target field named as in :data:`TARGET_NAMES` comes second
+                so samples are ``(inputs, target, *extra)``), a mapping name → path, or a
+                sequence of paths (named after their files). The order is the order of
+                the fields in a sample.
+            mmap: Read through memory maps (True) or by position (False); see above.
+            max_mapped_mib: With ``mmap``, hand mapped pages back to the OS after about
+                this many MiB of contiguous reads; None never does.
+
+        Raises:
+            DataError: A missing file or folder, a file that is not a numeric .npy array,
+                fields with different numbers of rows (each file and its length named),
+                or a Fortran-ordered file with ``mmap=False``.
+            ConfigError: ``max_mapped_mib`` is not None or an int >= 0.
+        """
+        if max_mapped_mib is not None and (
+            isinstance(max_mapped_mib, bool)
+            or not isinstance(max_mapped_mib, int)
+            or max_mapped_mib < 0
+        ):
+            raise ConfigError(
+                f"NpyDataset max_mapped_mib must be None or an int >= 0; got {max_mapped_mib!r}.",
+                hint="use e.g. max_mapped_mib=128, or None to keep every read page mapped",
+            )
+        names, paths = _field_paths(fields)
+        # Mapping reads only the headers, so checking every field here is cheap.
+        arrays = [_open_npy(path) for path in paths]
+        lengths = [a.shape[0] for a in arrays]
+        if len(set(lengths)) > 1:
+            listed = ", ".join(f"{p} has {n}" for p, n in zip(paths, lengths, strict=True))
+            raise DataError(
+                f"NpyDataset fields have different numbers of rows: {listed}; expected the "
+                "same first dimension in every file.",
+                hint="write every field with one row per sample (check for a transposed "
+                "array or a file from another dataset)",
+            )
+        if not mmap:
+            fortran = [
+                str(p) for p, a in zip(paths, arrays, strict=True) if not a.flags.c_contiguous
+            ]
+            if fortran:
+                raise DataError(
+                    f"NpyDataset mmap=False reads rows by position, but {fortran} are stored "
+                    "in Fortran order, where a row is not contiguous.",
+                    hint="save them with numpy.save(path, numpy.ascontiguousarray(a)), "
+                    "or use mmap=True",
+                )
+        self._names = names
+        self._paths = paths
+        self._length = lengths[0]
+        self._mmap = bool(mmap)
+        self._max_mapped = None if max_mapped_mib is None else max_mapped_mib << 20
+        row_bytes = [int(np.prod(a.shape[1:], dtype=np.int64)) * a.itemsize for a in arrays]
+        self._row_bytes = tuple(row_bytes)
+        # By position, the maps give only shape, dtype and offset: no page is touched.
+        self._arrays: list[np.memmap] | None = arrays
+        self._mapped_bytes = 0  # an upper estimate of what reads have mapped since a release
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # Mapped arrays are reopened in each process, never pickled.
+        state["_arrays"] = None
+        state["_mapped_bytes"] = 0
+        return state
+
+    def _fields(self) -> list[np.memmap]:
+        if self._arrays is None:
+            self._arrays = [_open_npy(p) for p in self._paths]
+        return self._arrays
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The field names, in sample order."""
+        return self._names
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """The field files, in sample order."""
+        return self._paths
+
+    @property
+    def target_name(self) -> str | None:
+        """The field taken as the target: one named in :data:`TARGET_NAMES`, else the second."""
+        named = next((n for n in TARGET_NAMES if n in self._names), None)
+        if named is not None:
+            return named
+        return self._names[1] if len(self._names) > 1 else None
+
+    @property
+    def targets(self) -> torch.Tensor | None:
+        """The target field as one tensor (None for a single field).
+
+        This reads the whole column from disk on every access (one value per sample),
+        so keep the result rather than asking again.
+        """
+        name = self.target_name
+        if name is None:
+            return None
+        position = self._names.index(name)
+        column = self._fields()[position]
+        if not column.flags.c_contiguous:
+            return torch.from_numpy(_native(np.array(column)))
+        # A plain read, whatever the mode, so the column does not stay mapped.
+        values = np.fromfile(
+            self._paths[position], dtype=column.dtype, count=column.size, offset=column.offset
+        )
+        return torch.from_numpy(_native(values.reshape(column.shape)))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[0] for t in self.__getitems__([index]))
+
+    def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Read the samples at ``indices`` as one batch: one gather (or run of reads) per field.
+
+        Args:
+            indices: Sample indices, as the DataLoader's batch sampler yields them (or
+                an int64 tensor).
+
+        Returns:
+            One tensor per field, each with ``len(indices)`` rows, in the order asked.
+        """
+        idx = normalize_indices(indices, self._length)
+        order = None
+        if idx.size > 1 and bool(np.any(idx[1:] < idx[:-1])):
+            # Reading in file order turns random reads into mostly forward ones.
+            order = np.argsort(idx, kind="stable")
+            idx = idx[order]
+        batch = []
+        for path, array in zip(self._paths, self._fields(), strict=True):
+            # Advanced indexing copies out of the map; by position reads into a new array.
+            rows = np.asarray(array[idx]) if self._mmap else _read_rows(path, array, idx)
+            if order is not None:
+                unsorted = np.empty_like(rows)
+                unsorted[order] = rows
+                rows = unsorted
+            batch.append(torch.from_numpy(_native(rows)))
+        if self._mmap and idx.size:
+            self._account(idx.size, int(idx[-1] - idx[0]) + 1)
+        return tuple(batch)
+
+    def _account(self, rows: int, span: int) -> None:
+        """Count what contiguous reads mapped; hand it back past ``max_mapped_mib``."""
+        if self._max_mapped is None or not _CAN_RELEASE:
+            return
+        # A sorted batch maps at most the span it covers, and at least its rows' own.
+        spanned = sum(span * n + 2 * _FAULT_AROUND for n in self._row_bytes)
+        each = sum(rows * (n + _FAULT_AROUND) for n in self._row_bytes)
+        if spanned > each:
+            # Scattered rows: releasing would only make the next batches map it all again.
+            return
+        self._mapped_bytes += spanned
+        if self._mapped_bytes > self._max_mapped:
+            self._release_pages()
+
+    def _release_pages(self) -> None:
+        """Drop this process's mapped pages; they stay in the OS page cache."""
+        self._mapped_bytes = 0
+        for array in self._arrays or ():
+            mapping = getattr(array, "_mmap", None)  # np.memmap keeps its mmap object here
+            if isinstance(mapping, mmap.mmap):
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}: {p.name}" for n, p in zip(self._names, self._paths, strict=True))
+        mode = "mapped" if self._mmap else "read by position"
+        return f"NpyDataset({self._length} samples, {mode}; {fields})"
