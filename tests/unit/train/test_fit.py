@@ -240,8 +240,16 @@ def test_gradient_health_is_recorded_and_adam_clipping_warned(
 ) -> None:
     x, y = toy_classification
     stoker.fit(
-        mlp_factory(), (x, y), epochs=3, batch_size=16, optimizer="adam", clip_grad_norm=1e-6,
-        grad_health_every=10, run_dir=tmp_path, tensorboard=False, progress="plain",
+        mlp_factory(),
+        (x, y),
+        epochs=3,
+        batch_size=16,
+        optimizer="adam",
+        clip_grad_norm=1e-6,
+        grad_health_every=10,
+        run_dir=tmp_path,
+        tensorboard=False,
+        progress="plain",
     )
     out = capsys.readouterr().out
     assert "warning: gradient clipping acted on 100% of the last" in out
