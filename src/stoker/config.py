@@ -183,6 +183,11 @@ class TrainConfig(Section):
         "auto", description="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    prefetch: bool | Literal["auto"] = Field(
+        "auto",
+        description="Copy the next batch to the GPU on a side stream during the step "
+        "(`auto`: on with CUDA).",
+    )
     task: Literal["auto", "classification", "regression"] = Field(
         "auto", description="Which validation metrics to report; `auto` infers it from the loss."
     )

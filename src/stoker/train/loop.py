@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from stoker.data.device import move_to_device
+from stoker.data.prefetch import DevicePrefetcher
 from stoker.errors import TrainingError
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
@@ -73,6 +74,7 @@ class Loop:
     timer: PhaseTimer
     system: SystemMonitor
     health: GradHealth
+    prefetcher: DevicePrefetcher
     epochs: int
     max_steps: int | None = None
     grad_accum_steps: int = 1
@@ -214,7 +216,8 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     loop.progress.start_epoch(
         state.epoch + 1, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
     )
-    batches = iter(loop.train_loader)
+    # On CUDA the next batch is copied on a side stream while this one computes.
+    batches = iter(loop.prefetcher.wrap(loop.train_loader))
     while not loop.out_of_steps():
         if not train_step(loop, batches, metrics, window):
             break

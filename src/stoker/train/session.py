@@ -26,6 +26,7 @@ from stoker.data.cache import CachedDataset
 from stoker.data.device import resolve_device
 from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_fingerprint
 from stoker.data.loader import EpochLoader, build_loader
+from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.records import BadRecordLog
 from stoker.errors import CheckpointError, ConfigError
 from stoker.observe.progress import build_progress
@@ -308,6 +309,7 @@ def train_run(
         timer=PhaseTimer(device),
         system=SystemMonitor(device),
         health=GradHealth(config.train.grad_health_every, optimizer_kind=config.optim.name),
+        prefetcher=DevicePrefetcher(device, enabled=_prefetch(config.train.prefetch, device)),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
         grad_accum_steps=config.train.grad_accum_steps,
@@ -338,6 +340,17 @@ def train_run(
         best_epoch=state.best_epoch,
         stopped_early=loop.stopped_early,
     )
+
+
+def _prefetch(setting: bool | str, device: torch.device) -> bool:
+    if setting == "auto":
+        return device.type == "cuda"
+    if setting and device.type != "cuda":
+        raise ConfigError(
+            f"train.prefetch=true needs a CUDA device; this run trains on {device}",
+            hint="set train.prefetch=auto (on with CUDA, off elsewhere)",
+        )
+    return bool(setting)
 
 
 def _shuffle(setting: bool | str, dataset: Dataset) -> bool:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from stoker.data.prefetch import DevicePrefetcher
 from stoker.errors import DataError, TrainingError
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer
@@ -61,6 +62,7 @@ def _loop(
         timer=PhaseTimer(torch.device("cpu")),
         system=SystemMonitor(torch.device("cpu")),
         health=GradHealth(0, optimizer_kind="sgd"),
+        prefetcher=DevicePrefetcher(torch.device("cpu")),
         epochs=1,
         grad_accum_steps=accum,
     )
