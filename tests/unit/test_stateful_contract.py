@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stoker.data.bucketing import LengthBucketBatchSampler
-from stoker.data.samplers import EpochRandomSampler, EpochWeightedSampler
+from stoker.data.samplers import BlockShuffleSampler, EpochRandomSampler, EpochWeightedSampler
 from stoker.data.streaming import ShardStream
 
 
@@ -49,6 +49,10 @@ STATEFUL: dict[str, tuple[Callable[[Path], Any], int]] = {
         6,
     ),
     "shard stream": (lambda folder: ShardStream(_shards(folder), shuffle_buffer=5, seed=1), 8),
+    "block shuffle sampler": (
+        lambda _: BlockShuffleSampler([0, 7, 20, 33, 50], window=2, seed=9),
+        12,
+    ),
 }
 
 

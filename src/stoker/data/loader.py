@@ -31,6 +31,7 @@ from stoker.data.loader_checks import (
 )
 from stoker.data.records import BadRecordLog, BadSample, FilteredBatch
 from stoker.data.samplers import (
+    BlockShuffleSampler,
     EpochRandomSampler,
     EpochWeightedSampler,
     balanced_weights,
@@ -448,7 +449,10 @@ def build_loader(
         collate_fn = skip_bad_collate(collate_fn)
 
     index_sampler: Sampler | None = None
-    if resolved == "random":
+    if resolved == "random" and callable(getattr(dataset, "row_group_offsets", None)):
+        # Read by row groups (Parquet): shuffle blocks, then within a few at a time.
+        index_sampler = BlockShuffleSampler(dataset.row_group_offsets(), seed=seed)  # type: ignore[attr-defined]
+    elif resolved == "random":
         index_sampler = EpochRandomSampler(length, seed=seed)
     elif resolved == "weighted":
         index_sampler = _weighted_sampler(dataset, weights, num_samples=num_samples, seed=seed)

@@ -86,3 +86,46 @@ def test_balanced_weights() -> None:
     )
     with pytest.raises(DataError, match="argmax"):
         balanced_weights(torch.eye(3))
+
+
+def test_block_shuffle_sees_every_sample_once_and_reads_few_blocks_at_a_time() -> None:
+    from stoker.data.samplers import BlockShuffleSampler
+
+    offsets = [0, 10, 25, 40, 41, 60, 80]  # six blocks of uneven size, 80 samples
+    sampler = BlockShuffleSampler(offsets, window=2, seed=4)
+    order = list(sampler)
+    assert sorted(order) == list(range(80))
+    block_of = torch.bucketize(torch.tensor(order), torch.tensor(offsets[1:]), right=True)
+    # Within each stretch of samples drawn from one window, at most 2 blocks appear.
+    sizes = [10, 15, 15, 1, 19, 20]
+    start = 0
+    seen_blocks = []
+    while start < 80:
+        window_blocks = set(block_of[start : start + 1].tolist())
+        end = start
+        while end < 80 and len(window_blocks | {int(block_of[end])}) <= 2:
+            window_blocks.add(int(block_of[end]))
+            end += 1
+        seen_blocks.append(window_blocks)
+        assert end - start == sum(sizes[b] for b in window_blocks)
+        start = end
+    sampler.set_epoch(1)
+    assert list(sampler) != order  # a new order each epoch
+    assert sorted(sampler) == list(range(80))
+
+
+def test_parquet_gets_the_block_shuffle_by_default(tmp_path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from stoker.data.loader import build_loader
+    from stoker.data.parquet import ParquetDataset
+    from stoker.data.samplers import BlockShuffleSampler
+
+    table = pa.table({"a": list(range(100)), "label": [i % 2 for i in range(100)]})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=20)
+    loader = build_loader(ParquetDataset(tmp_path / "t.parquet", target="label"),
+                          batch_size=10, shuffle=True)
+    assert isinstance(loader.sampler, BlockShuffleSampler)
+    values = torch.cat([features[:, 0] for features, _ in loader])
+    assert sorted(values.long().tolist()) == list(range(100))
