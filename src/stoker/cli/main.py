@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from stoker import __version__
-from stoker.cli import data, demo, explain, report, train
+from stoker.cli import data, demo, doctor, explain, report, train, tune
 from stoker.errors import StokerError
 
-SUBCOMMANDS = (train, demo, data, explain, report)
+SUBCOMMANDS = (train, demo, doctor, tune, data, explain, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

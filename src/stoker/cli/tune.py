@@ -1,0 +1,188 @@
+"""``stoker tune CONFIG [key=value ...]``: search the loader settings, optionally write them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shlex
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from stoker.config import load_config
+from stoker.errors import ConfigError
+from stoker.observe.tune import TuneResult, tune, write_loader_settings
+
+
+def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    parser = subparsers.add_parser(
+        "tune",
+        parents=parents,
+        help="search the loader settings (workers, prefetch, pinning, batched fetch)",
+        description=(
+            "Search num_workers, prefetch_factor, persistent_workers, pin_memory (CUDA only) "
+            "and batched fetch by successive halving: every candidate is measured briefly "
+            "(the loader alone), the clearly slow ones are dropped, the survivors are "
+            "measured longer; two short training runs then confirm the winner."
+        ),
+    )
+    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
+    parser.add_argument(
+        "overrides", metavar="KEY=VALUE", nargs="*", help="config overrides, as for train"
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="save the winning loader.* settings into CONFIG (other keys are kept; "
+        "comments are not)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        action="store_true",
+        help="also search loader.batch_size (it changes optimization, not only speed)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="total time to spend, search and confirmation (default: 60)",
+    )
+    parser.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="skip the two confirming training runs",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=16,
+        metavar="N",
+        help="highest worker count tried besides the configured one (default: 16)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of a table"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (args.budget_s > 0 and math.isfinite(args.budget_s)):
+        raise ConfigError(
+            f"--budget-s {args.budget_s} must be a positive number", hint="--budget-s 60"
+        )
+    config = load_config(args.config, args.overrides)
+    err = Console(file=sys.stderr)
+
+    def say(line: str) -> None:
+        if not args.json:
+            err.print(Text(f"tuning: {line}", style="dim"))
+
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        result = tune(
+            config,
+            budget_s=args.budget_s,
+            batch_size=args.batch_size,
+            confirm=not args.no_confirm,
+            max_workers=args.max_workers,
+            say=say,
+        )
+    elapsed = time.perf_counter() - started
+    changes = write_loader_settings(args.config, result.settings) if args.write else {}
+    if args.json:
+        document = result.to_dict()
+        document["written"] = {k: {"old": o, "new": n} for k, (o, n) in changes.items()}
+        document["elapsed_s"] = elapsed
+        print(json.dumps(_finite(document), indent=2))
+        return 0
+    console = Console()
+    print_result(result, console)
+    console.print(Text(f"took {elapsed:.1f} s (budget {args.budget_s:g} s)"))
+    if args.write:
+        if changes:
+            listed = ", ".join(f"loader.{k}: {o} -> {n}" for k, (o, n) in changes.items())
+            console.print(Text(f"updated {args.config}: {listed} (comments in it are not kept)"))
+        else:
+            console.print(Text(f"{args.config} already has the best settings measured"))
+    elif result.settings:
+        keys = " ".join(f"loader.{k}={_yaml(v)}" for k, v in result.settings.items())
+        console.print(
+            Text(
+                f"apply: stoker tune {shlex.quote(args.config)} --write, "
+                f"or train with: stoker train {shlex.quote(args.config)} {keys}"
+            )
+        )
+    return 0
+
+
+def _yaml(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def print_result(result: TuneResult, console: Console) -> None:
+    """The candidates table, the winner, the confirmation and the notes."""
+    halving = result.halving
+    table = Table(
+        title=(
+            f"loader candidates (successive halving: {halving.spent_s:.1f} s measured, "
+            f"{result.search_s:.1f} s wall)"
+        ),
+        title_justify="left",
+    )
+    table.add_column("candidate")
+    table.add_column("rounds", justify="right")
+    table.add_column("samples/s", justify="right")
+    table.add_column("status")
+    rows = list(dict.fromkeys(t.candidate for t in halving.trials))
+    rows.sort(key=lambda c: -(halving.last_trial(c).samples_per_s or 0.0))  # type: ignore[union-attr]
+    for candidate in rows:
+        trial = halving.last_trial(candidate)
+        assert trial is not None
+        status = halving.status(candidate)
+        if candidate == result.baseline:
+            status += " (current)"
+        table.add_row(
+            candidate.label(), str(trial.round + 1), f"{trial.samples_per_s:,.0f}", status
+        )
+    console.print(table)
+    winner = halving.last_trial(result.winner)
+    baseline = halving.last_trial(result.baseline)
+    line = f"winner: {result.winner.label()}"
+    if winner is not None and baseline is not None and baseline.samples_per_s > 0:
+        ratio = winner.samples_per_s / baseline.samples_per_s
+        line += (
+            f" — loader alone {winner.samples_per_s:,.0f} samples/s vs "
+            f"{baseline.samples_per_s:,.0f} now ({ratio:.2f}x)"
+        )
+    console.print(Text(line))
+    if result.baseline_pipeline is not None and result.winner_pipeline is not None:
+        base = result.baseline_pipeline.steady_samples_per_s
+        win = result.winner_pipeline.steady_samples_per_s
+        console.print(
+            Text(
+                f"training: {win:,.0f} samples/s with the winner vs {base:,.0f} now "
+                f"({result.pipeline_gain or 0:.2f}x)"
+            )
+        )
+    for note in result.notes:
+        console.print(Text(f"note: {note}"))

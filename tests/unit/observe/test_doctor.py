@@ -1,0 +1,351 @@
+"""The doctor's verdict on crafted measurements, and the stage measurements on tiny data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from stoker.config import validate_config
+from stoker.data.loader import build_loader
+from stoker.data.sources import ArrayDataset
+from stoker.observe.doctor import Measurements, diagnose, run_doctor
+from stoker.observe.stages import (
+    FetchFigures,
+    LoaderPoint,
+    PipelineFigures,
+    TransferFigures,
+    grouped_rate,
+    measure_fetch,
+    measure_loader,
+    worker_counts,
+)
+
+
+def pipeline(rate: float, wait: float, *, steps: int = 20) -> PipelineFigures:
+    return PipelineFigures(
+        samples_per_s=rate,
+        data_wait_fraction=wait,
+        steps=steps,
+        epoch_s=1.0,
+        data_wait_s=wait,
+        startup_s=0.0,
+        steady_samples_per_s=rate,
+        steady_data_wait_fraction=wait,
+    )
+
+
+def loader(**rates: float) -> tuple[LoaderPoint, ...]:
+    """``loader(w0=500, w2=1000)``: loader-alone rates by worker count."""
+    return tuple(
+        LoaderPoint(int(key[1:]), rate, 0.1, (rate, rate, rate)) for key, rate in rates.items()
+    )
+
+
+def fetch(per_sample_s: float, cpu_share: float, *, batched: bool = False) -> FetchFigures:
+    return FetchFigures(
+        per_sample_s=per_sample_s,
+        cpu_share=cpu_share,
+        collate_per_sample_s=0.5e-6,
+        batched_per_sample_s=0.3e-6 if batched else None,
+        supports_batched=batched,
+    )
+
+
+def measurements(**changes) -> Measurements:
+    base = Measurements(
+        device="cpu",
+        cores=2,
+        torch_threads=1,
+        batch_size=64,
+        num_workers=0,
+        pin_memory=False,
+        returns_batches=False,
+        seconds=1.0,
+        loader=loader(w0=500, w1=500, w2=1000, w3=1500),
+        compute_samples_per_s=200_000.0,
+        pipeline=pipeline(480.0, 0.97),
+        fetch=fetch(2e-3, 0.02),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# --- verdicts from crafted numbers -----------------------------------------------------
+
+
+def test_slow_getitem_is_input_bound_and_more_workers_are_the_measured_fix() -> None:
+    diagnosis = diagnose(measurements())
+    assert diagnosis.verdict == "input-bound"
+    assert diagnosis.bottleneck == "loader"
+    assert diagnosis.recommended_loader == {"num_workers": 3}
+    assert diagnosis.gain_measured
+    assert diagnosis.expected_gain == pytest.approx(1500 / 480)
+    # dataset[i] is the loader's whole cost: caching is part of the advice.
+    assert "cache" in diagnosis.recommendation
+    assert "__getitems__" in diagnosis.recommendation
+
+
+def test_data_wait_between_5_and_20_percent_is_partly_input_bound() -> None:
+    diagnosis = diagnose(measurements(pipeline=pipeline(480.0, 0.12)))
+    assert diagnosis.verdict == "partly input-bound"
+    assert diagnosis.bottleneck == "loader"
+
+
+@pytest.mark.parametrize(
+    ("wait", "verdict"),
+    [(0.2, "input-bound"), (0.1999, "partly input-bound"), (0.05, "partly input-bound")],
+)
+def test_thresholds_are_inclusive_at_20_and_5_percent(wait: float, verdict: str) -> None:
+    assert diagnose(measurements(pipeline=pipeline(480.0, wait))).verdict == verdict
+
+
+def test_little_data_wait_is_compute_bound_with_no_loader_change() -> None:
+    diagnosis = diagnose(
+        measurements(
+            loader=loader(w0=800_000, w1=18_000),
+            returns_batches=True,
+            compute_samples_per_s=340.0,
+            pipeline=pipeline(330.0, 0.0499),
+            fetch=fetch(2e-6, 0.5, batched=True),
+        )
+    )
+    assert diagnosis.verdict == "compute-bound"
+    assert diagnosis.bottleneck == "compute"
+    assert diagnosis.recommended_loader == {}
+    assert diagnosis.expected_gain is None
+    assert "bf16" in diagnosis.recommendation and "compile" in diagnosis.recommendation
+
+
+def test_cheap_samples_fetched_one_by_one_are_loader_overhead_not_a_worker_problem() -> None:
+    diagnosis = diagnose(
+        measurements(
+            loader=loader(w0=100_000, w1=38_000, w2=14_000, w3=15_000),
+            compute_samples_per_s=130_000.0,
+            pipeline=pipeline(30_000.0, 0.5),
+            fetch=fetch(4e-6, 0.7),
+        )
+    )
+    assert diagnosis.verdict == "loader-overhead"
+    assert diagnosis.bottleneck == "loader"
+    assert "num_workers" not in diagnosis.recommended_loader
+    assert "__getitems__" in diagnosis.recommendation
+    assert "NOT add workers" in diagnosis.recommendation
+    assert not diagnosis.gain_measured  # an upper bound: the compute ceiling
+    assert diagnosis.expected_gain == pytest.approx(130_000 / 30_000)
+
+
+def test_cheap_samples_already_fetched_in_batches_are_not_loader_overhead() -> None:
+    diagnosis = diagnose(
+        measurements(
+            returns_batches=True,
+            loader=loader(w0=100_000, w1=38_000),
+            pipeline=pipeline(30_000.0, 0.5),
+            fetch=fetch(4e-6, 0.7, batched=True),
+        )
+    )
+    assert diagnosis.verdict == "input-bound"
+
+
+def test_more_cpu_bound_workers_than_cores_is_oversubscribed() -> None:
+    diagnosis = diagnose(
+        measurements(
+            num_workers=8,
+            loader=loader(w0=1760, w1=1760, w2=2040, w3=2340, w8=2760),
+            pipeline=pipeline(1050.0, 0.87),
+            fetch=fetch(3e-4, 0.65),
+        )
+    )
+    assert diagnosis.verdict == "oversubscribed"
+    assert diagnosis.recommended_loader == {"num_workers": 3}
+    assert diagnosis.recommended_loader["num_workers"] < 8
+    assert "8 workers want 5.2 of 2 cores" in diagnosis.reason
+
+
+def test_oversubscription_is_seen_from_the_sweep_alone_when_throughput_falls() -> None:
+    diagnosis = diagnose(
+        measurements(
+            num_workers=8,
+            loader=loader(w0=1000, w1=1000, w2=1900, w3=1950, w8=1500),
+            pipeline=pipeline(1000.0, 0.9),
+            fetch=None,
+        )
+    )
+    assert diagnosis.verdict == "oversubscribed"
+    # The fewest workers within 5% of the best at or below cores + 1.
+    assert diagnosis.recommended_loader == {"num_workers": 2}
+
+
+def test_waiting_workers_may_outnumber_the_cores() -> None:
+    # Sleep-like fetch: little CPU, and throughput keeps growing with workers.
+    diagnosis = diagnose(
+        measurements(
+            num_workers=8,
+            loader=loader(w0=500, w1=500, w2=1000, w3=1500, w8=3900),
+            pipeline=pipeline(3500.0, 0.6),
+            fetch=fetch(2e-3, 0.02),
+        )
+    )
+    assert diagnosis.verdict == "input-bound"
+    assert "num_workers" not in diagnosis.recommended_loader
+
+
+def test_slow_pageable_copies_on_cuda_are_transfer_bound_and_pinning_is_the_fix() -> None:
+    transfer = TransferFigures(
+        batch_bytes=64 * 3 * 224 * 224 * 4,
+        batch_size=64,
+        pageable_gb_per_s=1.0,
+        pinned_gb_per_s=12.0,
+    )
+    diagnosis = diagnose(
+        measurements(
+            device="cuda",
+            returns_batches=True,
+            loader=loader(w0=20_000, w4=60_000),
+            compute_samples_per_s=30_000.0,
+            pipeline=pipeline(1_600.0, 0.01),
+            transfer=transfer,
+            fetch=fetch(1e-6, 0.5, batched=True),
+        )
+    )
+    assert diagnosis.verdict == "transfer-bound"
+    assert diagnosis.bottleneck == "transfer"
+    assert diagnosis.recommended_loader == {"pin_memory": True}
+    assert diagnosis.gain_measured
+    assert diagnosis.expected_gain == pytest.approx(
+        min(transfer.pinned_samples_per_s, 20_000, 30_000) / 1_600
+    )
+
+
+def test_to_dict_is_one_json_document_with_the_verdict_on_top() -> None:
+    diagnosis = diagnose(measurements())
+    document = json.loads(json.dumps(diagnosis.to_dict()))
+    assert next(iter(document)) == "verdict"
+    assert document["verdict"] == "input-bound"
+    stages = {row["stage"]: row for row in document["stages"]}
+    assert stages["transfer"]["samples_per_s"] is None
+    assert stages["transfer"]["note"] == "no accelerator: transfer is a no-op"
+    assert stages["pipeline"]["vs_pipeline"] == 1.0
+    assert stages["loader (3 workers)"]["vs_pipeline"] == pytest.approx(1500 / 480)
+    assert document["measurements"]["pipeline"]["steady_samples_per_s"] == 480.0
+
+
+def test_unstable_repeats_are_flagged() -> None:
+    points = (LoaderPoint(0, 500.0, 0.0, (200.0, 500.0, 900.0)),)
+    diagnosis = diagnose(measurements(loader=points))
+    assert any("varied 4.5x" in note for note in diagnosis.warnings)
+
+
+# --- the measurements themselves -------------------------------------------------------
+
+
+def test_worker_counts_go_to_cores_plus_one_and_keep_the_configured_count() -> None:
+    assert worker_counts(2, 0) == [0, 1, 2, 3]
+    assert worker_counts(2, 8) == [0, 1, 2, 3, 8]
+    assert worker_counts(8, 0) == [0, 1, 2, 4, 8, 9]
+    assert worker_counts(6, 0) == [0, 1, 2, 4, 6, 7]
+    assert worker_counts(64, 0, cap=16) == [0, 1, 2, 4, 8, 16]
+
+
+def test_grouped_rate_is_the_median_of_consecutive_groups() -> None:
+    # 6 batches of 10 samples; the middle group is slow.
+    arrivals = [(1.0, 10), (2.0, 10), (6.0, 10), (10.0, 10), (11.0, 10), (12.0, 10)]
+    rate = grouped_rate(arrivals, start=0.0, repeats=3, warmup_s=0.5)
+    assert rate.repeats == pytest.approx((10.0, 2.5, 10.0))
+    assert rate.samples_per_s == pytest.approx(10.0)
+    assert rate.batches == 6 and rate.seconds == 12.0
+
+
+def test_measure_loader_counts_samples_across_epochs() -> None:
+    data = ArrayDataset(torch.randn(100, 4), torch.zeros(100, dtype=torch.long))
+    loader = build_loader(data, batch_size=32)  # 4 batches per epoch, the last of 4 samples
+    rate = measure_loader(loader, seconds=0.05, repeats=2)
+    assert rate.samples_per_s > 0
+    assert rate.batches >= 4  # ran past one epoch's end without stopping
+    assert len(rate.repeats) == 2
+
+
+class _Sleepy(Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.001)
+        return torch.zeros(2), torch.tensor(0)
+
+
+class _Busy(_Sleepy):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        deadline = time.process_time() + 0.001
+        while time.process_time() < deadline:
+            pass
+        return torch.zeros(2), torch.tensor(0)
+
+
+def test_measure_fetch_tells_waiting_from_computing() -> None:
+    sleepy = measure_fetch(_Sleepy(), batch_size=8, collate_fn=None, seconds=0.1)
+    busy = measure_fetch(_Busy(), batch_size=8, collate_fn=None, seconds=0.1)
+    assert sleepy is not None and busy is not None
+    assert sleepy.per_sample_s >= 0.001 and busy.per_sample_s >= 0.001
+    assert sleepy.cpu_share < 0.3 < busy.cpu_share
+    assert sleepy.collate_per_sample_s is not None
+    assert not sleepy.supports_batched and sleepy.batched_per_sample_s is None
+    batched = measure_fetch(
+        ArrayDataset(torch.randn(64, 2), torch.zeros(64)),
+        batch_size=8,
+        collate_fn=None,
+        seconds=0.05,
+    )
+    assert batched is not None and batched.supports_batched
+    assert batched.batched_per_sample_s is not None
+
+
+def test_run_doctor_end_to_end_on_a_tiny_config(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "parts.py").write_text(
+        "import torch\n"
+        "from stoker.data.sources import ArrayDataset\n"
+        "def data():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    x = torch.randn(256, 8, generator=g)\n"
+        "    return ArrayDataset(x, torch.randint(0, 2, (256,), generator=g))\n"
+        "def model():\n"
+        "    return torch.nn.Linear(8, 2)\n"
+    )
+    config = validate_config(
+        {
+            "model": {"name": f"{tmp_path / 'parts.py'}:model"},
+            "data": {"train": {"name": f"{tmp_path / 'parts.py'}:data"}, "val_fraction": 0.25},
+            "train": {"device": "cpu", "monitor": "val/accuracy"},
+            "tracking": {"runs_root": str(tmp_path / "runs")},
+        }
+    )
+    lines: list[str] = []
+    diagnosis = run_doctor(config, seconds=0.05, max_workers=0, say=lines.append)
+    m = diagnosis.measurements
+    assert [p.num_workers for p in m.loader] == [0, 1]
+    assert m.transfer is None and m.device == "cpu"
+    assert m.compute_samples_per_s > 0 and m.pipeline.steps >= 3
+    assert 0.0 <= m.pipeline.steady_data_wait_fraction <= 1.0
+    assert diagnosis.verdict in ("input-bound", "partly input-bound", "compute-bound")
+    assert any("pipeline" in line for line in lines)
+    assert not (tmp_path / "runs").exists()  # the measured run wrote only to a temp dir
+    assert math.isfinite(json.loads(json.dumps(diagnosis.to_dict()))["measurements"]["seconds"])
+
+
+def test_input_bound_never_recommends_loading_in_the_training_process() -> None:
+    # Alone, the main process loads fastest; in training it would also have to compute.
+    diagnosis = diagnose(
+        measurements(
+            num_workers=2,
+            loader=loader(w0=3000, w1=1400, w2=2000, w3=2600),
+            pipeline=pipeline(1900.0, 0.6),
+            fetch=fetch(3e-4, 0.9),
+        )
+    )
+    assert diagnosis.verdict == "input-bound"
+    assert diagnosis.recommended_loader == {"num_workers": 3}
