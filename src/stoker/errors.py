@@ -39,3 +39,9 @@ class CheckpointError(StokerError):
 
 class TrainingError(StokerError):
     """Training cannot continue (a non-finite loss, a diverged run)."""
+
+
+class TrainingInterrupted(StokerError):
+    """A stop signal (SIGTERM, SIGINT) ended training after a checkpoint was saved."""
+
+    exit_code = 130

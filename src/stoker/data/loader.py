@@ -195,6 +195,9 @@ class EpochLoader:
         )
         self.bad_records = BadRecordLog(None)
         self.epoch = 0
+        #: Batches handed out in the current epoch's pass (0 before it starts).
+        self.batches_delivered = 0
+        self._skip = 0
         self.set_epoch(epoch)
 
     @property
@@ -207,7 +210,13 @@ class EpochLoader:
         return self.dataloader.sampler  # type: ignore[return-value]
 
     def set_epoch(self, epoch: int) -> None:
-        """Select ``epoch``; forwarded to the sampler and dataset when they take it."""
+        """Select ``epoch``; forwarded to the sampler and dataset when they take it.
+
+        Selecting another epoch than the current one drops a resumed position.
+        """
+        if int(epoch) != self.epoch:
+            self._skip = 0
+        self.batches_delivered = 0
         self.epoch = int(epoch)
         for part in (self.sampler, self.dataset):
             set_part_epoch = getattr(part, "set_epoch", None)
@@ -220,20 +229,32 @@ class EpochLoader:
             # Worker base seeds are drawn from this generator when the iterator is built.
             generator.manual_seed(epoch_seed(self.seed, self.epoch, stream=_WORKER_STREAM))
         batches = self._direct_batches() if self._direct else self.dataloader
+        # Resuming mid-epoch: replay the pass and drop the batches already trained on.
+        # Every order and seed here is a function of (seed, epoch), so the replay is
+        # exact for any sampler, stream or worker count; it costs reading those batches.
+        skip, self._skip = self._skip, 0
+        replayed = 0
         log = self.bad_records
+        # Skipped records of replayed batches were logged before the restart.
+        unlogged = BadRecordLog(None, max_total=2**62, max_consecutive=2**62)
         for batch in batches:
+            replaying = replayed < skip
             if isinstance(batch, FilteredBatch):
-                batch = self._unwrap(batch)
+                batch = self._unwrap(batch, log=unlogged if replaying else log)
                 if batch is None:
                     continue
-            elif log.consecutive:
+            elif log.consecutive and not replaying:
                 log.record_good(_batch_size(batch))
+            if replaying:
+                replayed += 1
+                continue
+            self.batches_delivered += 1
             yield batch
         self.set_epoch(self.epoch + 1)
 
-    def _unwrap(self, filtered: FilteredBatch) -> Any:
+    def _unwrap(self, filtered: FilteredBatch, *, log: BadRecordLog) -> Any:
         """Log the skipped records of ``filtered``; its good part (None when none is left)."""
-        log, batch = self.bad_records, filtered.batch
+        batch = filtered.batch
         if isinstance(filtered, _OrderedBatch):
             start = 0
             for bad, good in filtered.runs:
@@ -278,13 +299,20 @@ class EpochLoader:
                 "define __len__ on the dataset, or iterate without calling len()"
             ) from error
 
-    def state_dict(self) -> dict[str, int]:
-        """What resumes this loader: ``{"epoch"}``."""
-        return {"epoch": self.epoch}
+    def state_dict(self, *, batches_consumed: int | None = None) -> dict[str, int]:
+        """What resumes this loader: ``{"epoch"}``, and mid-epoch ``batches_delivered``.
+
+        Args:
+            batches_consumed: Batches the training loop has finished with, when it differs
+                from the batches handed out (a prefetcher holds one ahead).
+        """
+        done = self.batches_delivered if batches_consumed is None else batches_consumed
+        return {"epoch": self.epoch, "batches_delivered": done} if done else {"epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
+        """Restore a :meth:`state_dict`: the next pass starts after the delivered batches."""
         self.set_epoch(int(state["epoch"]))
+        self._skip = int(state.get("batches_delivered", 0))
 
     def __repr__(self) -> str:
         return (

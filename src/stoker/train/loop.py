@@ -14,7 +14,7 @@ from torch import nn
 
 from stoker.data.device import move_to_device
 from stoker.data.prefetch import DevicePrefetcher
-from stoker.errors import TrainingError
+from stoker.errors import TrainingError, TrainingInterrupted
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
 from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
@@ -30,6 +30,24 @@ class EpochEndHook(Protocol):
     """Called after each epoch's record is written (checkpointing)."""
 
     def __call__(self, loop: Loop, record: dict[str, Any]) -> None: ...
+
+
+class StepCheckpointHook(Protocol):
+    """Saves a checkpoint in the middle of an epoch (every N steps, or when stopping)."""
+
+    def __call__(self, loop: Loop, progress: dict[str, Any]) -> None: ...
+
+
+class StopRequest:
+    """Set from a signal handler; read by the loop after each step (never acted on inside
+    the handler, so a checkpoint is never written halfway through a step)."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
 
 
 @dataclass
@@ -83,6 +101,11 @@ class Loop:
     ignore_index: int = -100
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
+    checkpoint_every_steps: int | None = None
+    on_step_checkpoint: StepCheckpointHook | None = None
+    stop: StopRequest = field(default_factory=StopRequest)
+    #: Set on a resume in the middle of an epoch: the epoch's progress so far.
+    resume_in_epoch: dict[str, Any] | None = None
     warned: set[str] = field(default_factory=set)
 
     def finished(self) -> bool:
@@ -107,12 +130,10 @@ class StepWindow:
         return cls(torch.zeros((), device=device), torch.zeros((), device=device))
 
 
-def train_step(
-    loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
-) -> bool:
+def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow) -> int:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
 
-    Returns False when the epoch had no batches left (and nothing was done).
+    Returns how many micro-batches it used: 0 when the epoch had none left.
     """
     state, timer = loop.state, loop.timer
     # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
@@ -120,7 +141,7 @@ def train_step(
     micro_batches = list(islice(batches, loop.grad_accum_steps))
     timer.data_ready()
     if not micro_batches:
-        return False
+        return 0
     sizes = [_count(loop, split_batch(batch)[1]) for batch in micro_batches]
     step_count = sum(sizes)
     step_loss = torch.zeros((), device=loop.device)
@@ -167,7 +188,7 @@ def train_step(
     window.grad_norm += grad_norm.detach().float().to(loop.device)
     window.steps += 1
     window.samples += step_samples
-    return True
+    return len(micro_batches)
 
 
 def _count(loop: Loop, targets: Any) -> int:
@@ -211,7 +232,13 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     window = StepWindow.empty(loop.device)
     epoch_norm_sum = torch.zeros((), device=loop.device)
     loop.timer.reset()
-    steps = 0
+    steps = consumed = 0
+    if loop.resume_in_epoch is not None:
+        # The loader already skips the batches trained on before the restart.
+        resumed, loop.resume_in_epoch = loop.resume_in_epoch, None
+        metrics.load_state_dict(resumed["metrics"])
+        epoch_norm_sum += resumed["grad_norm_sum"].to(loop.device)
+        steps, consumed = resumed["steps"], resumed["batches"]
     started = time.perf_counter()
     loop.progress.start_epoch(
         state.epoch + 1, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
@@ -219,9 +246,27 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     # On CUDA the next batch is copied on a side stream while this one computes.
     batches = iter(loop.prefetcher.wrap(loop.train_loader))
     while not loop.out_of_steps():
-        if not train_step(loop, batches, metrics, window):
+        used = train_step(loop, batches, metrics, window)
+        if not used:
             break
         steps += 1
+        consumed += used
+        if _should_checkpoint(loop):
+            loop.on_step_checkpoint(  # type: ignore[misc]
+                loop,
+                {
+                    "batches": consumed,
+                    "steps": steps,
+                    "metrics": metrics.state_dict(),
+                    "grad_norm_sum": (epoch_norm_sum + window.grad_norm).detach().cpu(),
+                },
+            )
+        if loop.stop.requested:
+            raise TrainingInterrupted(
+                f"stopped by {loop.stop.signal_name} after step {state.step} "
+                f"(epoch {state.epoch}, batch {consumed}); the checkpoint holds this step",
+                hint="resume with --resume RUN_DIR (the run dir printed above)",
+            )
         if window.steps >= loop.log_every_steps:
             epoch_norm_sum += window.grad_norm
             _record_window(loop, window)
@@ -252,6 +297,13 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
 
 def _ignored(loop: Loop) -> int | None:
     return loop.ignore_index if loop.normalize == "tokens" else None
+
+
+def _should_checkpoint(loop: Loop) -> bool:
+    if loop.on_step_checkpoint is None:
+        return False
+    every = loop.checkpoint_every_steps
+    return loop.stop.requested or bool(every and loop.state.step % every == 0)
 
 
 def _num_workers(loader: Any) -> int:

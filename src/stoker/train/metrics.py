@@ -75,6 +75,24 @@ class TaskMetrics:
     def loss_sum(self) -> torch.Tensor:
         return self._loss_sum
 
+    def state_dict(self) -> dict:
+        """The running sums, so a run resumed mid-epoch reports the whole epoch."""
+        return {
+            "task": self.task,
+            "loss_sum": self._loss_sum.detach().cpu(),
+            "correct": self._correct.detach().cpu(),
+            "abs_err": self._abs_err.detach().cpu(),
+            "sq_err": self._sq_err.detach().cpu(),
+            "samples": self.samples,
+            "has_accuracy": self._has_accuracy,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.task = state["task"]
+        self._loss_sum, self._correct = state["loss_sum"], state["correct"]
+        self._abs_err, self._sq_err = state["abs_err"], state["sq_err"]
+        self.samples, self._has_accuracy = state["samples"], state["has_accuracy"]
+
 
 def _correct_predictions(
     outputs: torch.Tensor, targets: torch.Tensor, ignore_index: int | None = None

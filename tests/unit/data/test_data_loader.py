@@ -265,3 +265,27 @@ def test_bucket_sampler_with_pad_collate_gives_masked_batches_of_similar_length(
 def test_bucket_sampler_needs_lengths() -> None:
     with pytest.raises(ConfigError, match="lengths"):
         build_loader(ArrayDataset(torch.zeros(10, 2)), sampler="bucket")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_mid_epoch_with_exactly_the_remaining_batches(workers: int) -> None:
+    dataset = ArrayDataset(torch.arange(100).float().unsqueeze(1), torch.arange(100))
+    options = dict(batch_size=8, shuffle=True, seed=7, num_workers=workers)
+    original = build_loader(dataset, **options)
+    original.set_epoch(3)
+    stream = iter(original)
+    head = [next(stream) for _ in range(5)]
+    state = original.state_dict()
+    assert state == {"epoch": 3, "batches_delivered": 5}
+    rest = list(stream)
+
+    fresh = build_loader(dataset, **options)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(3)  # the loop selects the epoch again: the position is kept
+    resumed = list(fresh)
+    assert len(head) + len(resumed) == 13
+    for a, b in zip(rest, resumed, strict=True):
+        assert torch.equal(a[1], b[1])
+    fresh.set_epoch(4)
+    original.set_epoch(4)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(fresh, original, strict=True))

@@ -109,9 +109,9 @@ def test_a_last_partial_group_still_steps(toy_classification, mlp_factory) -> No
     loop = _loop(mlp_factory(), accum=4)
     batches = _batches(x[:96], y[:96], 16)  # 6 micro-batches: a group of 4, then of 2
     metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
-    assert train_step(loop, batches, metrics, window)
-    assert train_step(loop, batches, metrics, window)
-    assert not train_step(loop, batches, metrics, window)
+    assert train_step(loop, batches, metrics, window) == 4
+    assert train_step(loop, batches, metrics, window) == 2
+    assert train_step(loop, batches, metrics, window) == 0
     assert loop.timer.steps == 2
     assert (loop.state.step, loop.state.micro_step, loop.state.samples_seen) == (2, 6, 96)
 
