@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.stoker-installed
 
-.PHONY: demo test browser lint format bench clean
+.PHONY: demo test browser docs lint format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,14 @@ browser:
 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m stoker.reference --check
+	$(VENV)/bin/mkdocs build --strict -q -d $$(mktemp -d)
 	$(VENV)/bin/pytest -m "not slow" -q
+
+# The user guide as a site in site/; the references are generated from the code first.
+docs: $(STAMP)
+	$(VENV)/bin/python -m stoker.reference
+	$(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -77,12 +77,12 @@ class DataConfig(Section):
 class LoaderConfig(Section):
     """How samples are batched and delivered (every DataLoader knob the seeds teach)."""
 
-    batch_size: PositiveInt = 64
+    batch_size: PositiveInt = Field(64, description="Samples per batch (per micro-batch).")
     val_batch_size: PositiveInt | None = Field(None, description="Defaults to `batch_size`.")
     shuffle: bool | Literal["auto"] = Field(
         "auto", description="`auto`: shuffle map-style training data; a stream keeps its order."
     )
-    drop_last: bool = False
+    drop_last: bool = Field(False, description="Drop the last, smaller batch of each epoch.")
     sampler: Literal["auto", "sequential", "random", "weighted", "bucket"] = Field(
         "auto",
         description=(
@@ -94,12 +94,18 @@ class LoaderConfig(Section):
     weights: Literal["balanced"] | list[NonNegativeFloat] | None = Field(
         None, description="Per-sample weights for `sampler: weighted`, or `balanced` (by class)."
     )
-    num_workers: NonNegativeInt = 0
+    num_workers: NonNegativeInt = Field(
+        0, description="Loader worker processes; 0 loads in the training process."
+    )
     pin_memory: bool | Literal["auto"] = Field(
         "auto", description="`auto`: on when training on CUDA."
     )
-    persistent_workers: bool = False
-    prefetch_factor: PositiveInt | None = None
+    persistent_workers: bool = Field(
+        False, description="Keep workers alive between epochs (needs num_workers > 0)."
+    )
+    prefetch_factor: PositiveInt | None = Field(
+        None, description="Batches each worker loads ahead (needs num_workers > 0)."
+    )
     collate_fn: str | None = Field(
         None, description="`pad` (pad + attention mask), or an import path `module:callable`."
     )
@@ -118,7 +124,7 @@ class LossConfig(Section):
             "cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1, huber, or `module:callable`."
         ),
     )
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
     normalize: Literal["samples", "tokens"] = Field(
         "samples",
         description=(
@@ -132,15 +138,15 @@ class LossConfig(Section):
 class OptimConfig(Section):
     """The optimizer."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    lr: PositiveFloat = 1e-3
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="The optimizer.")
+    lr: PositiveFloat = Field(1e-3, description="Base learning rate (the peak of a schedule).")
     weight_decay: NonNegativeFloat | None = Field(
         None, description="Defaults to PyTorch's default."
     )
     momentum: NonNegativeFloat = Field(0.9, description="SGD only.")
     nesterov: bool = Field(False, description="SGD only.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam and AdamW only.")
-    eps: PositiveFloat = 1e-8
+    eps: PositiveFloat = Field(1e-8, description="Adam and AdamW only: the denominator's epsilon.")
     fused: bool | Literal["auto"] = Field(
         "auto", description="`auto`: the fused kernel where PyTorch has one for the device."
     )
@@ -149,7 +155,9 @@ class OptimConfig(Section):
 class ScheduleConfig(Section):
     """The learning-rate schedule, stepped once per optimizer step."""
 
-    name: Literal["constant", "cosine", "step", "onecycle"] = "constant"
+    name: Literal["constant", "cosine", "step", "onecycle"] = Field(
+        "constant", description="The schedule after warmup."
+    )
     warmup_steps: NonNegativeInt = Field(0, description="Linear warmup before the schedule.")
     total_steps: PositiveInt | None = Field(
         None,
@@ -173,12 +181,14 @@ class EarlyStoppingConfig(Section):
 class TrainConfig(Section):
     """The loop."""
 
-    epochs: PositiveInt = 10
+    epochs: PositiveInt = Field(10, description="Passes over the training data.")
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     grad_accum_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
     clip_grad_norm: PositiveFloat | None = Field(None, description="Clip the total gradient norm.")
     clip_grad_value: PositiveFloat | None = Field(None, description="Clip each gradient value.")
-    precision: Precision = "fp32"
+    precision: Precision = Field(
+        "fp32", description="fp32, bf16 (autocast), or fp16 (autocast + loss scaling)."
+    )
     device: str = Field(
         "auto", description="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps."
     )
@@ -216,18 +226,25 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """End-of-epoch checkpoints."""
+    """Checkpoints: at the end of each epoch, every N steps, and when stopped by a signal."""
 
-    enabled: bool = True
-    keep_last: PositiveInt = Field(3, description="How many epoch checkpoints to keep.")
-    keep_best: bool = Field(True, description="Also keep `best.pt` by the monitored metric.")
+    enabled: bool = Field(True, description="Write checkpoints at all.")
+    every_steps: PositiveInt | None = Field(
+        None, description="Also checkpoint every this many optimizer steps (mid-epoch)."
+    )
+    keep_last: PositiveInt = Field(
+        3, description="How many of the newest checkpoints to keep (mid-epoch ones count too)."
+    )
+    keep_best: bool = Field(
+        True, description="Also keep the best checkpoint (`best.json`) by the monitored metric."
+    )
 
 
 class TrackingConfig(Section):
     """Where the run writes."""
 
     run_dir: str | None = Field(None, description="Defaults to `<runs_root>/<name>-<timestamp>`.")
-    runs_root: str = "runs"
+    runs_root: str = Field("runs", description="The folder that holds the run dirs.")
     tensorboard: bool | Literal["auto"] = Field(
         "auto", description="TensorBoard event files under `tb/`; `auto`: when installed."
     )
@@ -235,15 +252,15 @@ class TrackingConfig(Section):
     mlflow_uri: str | None = Field(
         None, description="MLflow tracking URI; default: SQLite `mlflow.db` beside the run dirs."
     )
-    mlflow_experiment: str = "stoker"
+    mlflow_experiment: str = Field("stoker", description="The MLflow experiment's name.")
 
 
 class RunConfig(Section):
     """One training run."""
 
-    name: str = "run"
-    seed: int = 0
-    model: ComponentSpec | None = None
+    name: str = Field("run", description="Names the run dir: `<runs_root>/<name>-<timestamp>`.")
+    seed: int = Field(0, description="Seeds Python, NumPy, torch, shuffling and workers.")
+    model: ComponentSpec | None = Field(None, description="The model to train.")
     data: DataConfig = DataConfig()
     loader: LoaderConfig = LoaderConfig()
     loss: LossConfig = LossConfig()

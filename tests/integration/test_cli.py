@@ -32,7 +32,7 @@ def test_demo_trains_and_fills_the_run_dir(tmp_path: Path) -> None:
     assert f"run dir: {run_dir}" in done.stdout
     assert f"stoker demo --resume {run_dir}" in done.stdout
     assert "tensorboard --logdir" in done.stdout
-    for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "checkpoints/last.pt"):
+    for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "checkpoints/last.json"):
         assert (run_dir / name).is_file(), name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     epochs = [r for r in records if "val/accuracy" in r]
@@ -42,7 +42,8 @@ def test_demo_trains_and_fills_the_run_dir(tmp_path: Path) -> None:
     assert step_records and {"step", "train/loss", "lr", "grad/norm"} <= set(step_records[0])
     health = [r for r in records if "grad/layer/0.weight" in r]
     assert health and "update_ratio/0.weight" in health[0]
-    bundle = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    last = json.loads((run_dir / "checkpoints" / "last.json").read_text())["checkpoint"]
+    bundle = torch.load(run_dir / "checkpoints" / last / "state.pt", weights_only=True)
     assert bundle["train_state"]["epoch"] == 3
 
 

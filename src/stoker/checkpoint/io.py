@@ -1,23 +1,34 @@
-"""Atomic, durable file writes and safe (weights_only) checkpoint loads."""
+"""Atomic, durable file writes, hashing while writing, and safe (weights_only) file loads."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import functools
+import hashlib
 import os
 import pickle
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from stoker.errors import CheckpointError
 
-__all__ = ["MapLocation", "atomic_path", "listing_hint", "load_checkpoint", "save_atomic"]
+__all__ = [
+    "HashingWriter",
+    "MapLocation",
+    "atomic_path",
+    "fsync_dir",
+    "listing_hint",
+    "load_state_file",
+    "os_error",
+    "save_atomic",
+    "write_durable",
+]
 
 MapLocation = str | torch.device | Mapping[str, str] | Callable[..., Any] | None
 
@@ -38,7 +49,7 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename durable: without it a power cut can bring back the old directory entry.
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -54,7 +65,8 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _os_error(path: Path, what: str, exc: OSError) -> CheckpointError:
+def os_error(path: Path, what: str, exc: OSError) -> CheckpointError:
+    """A CheckpointError for an OS failure writing ``path``, with the fix for its errno."""
     reason = exc.strerror or str(exc)
     code = errno.errorcode.get(exc.errno or 0)
     if code:
@@ -94,7 +106,7 @@ def atomic_path(path: Path, *, what: str, hint: str | None = None) -> Iterator[P
     try:
         fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
     except OSError as exc:
-        raise _os_error(path, what, exc) from exc
+        raise os_error(path, what, exc) from exc
     tmp = Path(name)
     try:
         try:
@@ -106,24 +118,67 @@ def atomic_path(path: Path, *, what: str, hint: str | None = None) -> Iterator[P
         with open(tmp, "r+b") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             raise
         if isinstance(exc, OSError):
-            raise _os_error(path, what, exc) from exc
+            raise os_error(path, what, exc) from exc
         raise CheckpointError(
             f"Could not write {what} {path}: {type(exc).__name__}: {exc}", hint=hint
         ) from exc
+
+
+class HashingWriter:
+    """A write-only file object that hashes (SHA-256) and counts the bytes written through it.
+
+    ``torch.save`` writes into it, so a checkpoint's digest is known when the write ends,
+    without reading the file back.
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        written = self._file.write(data)
+        # hashlib releases the GIL for large buffers; this is the only pass over the bytes.
+        self._sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        """The SHA-256 of everything written so far, as hex."""
+        return self._sha256.hexdigest()
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Creates ``path`` (which must not exist), writes ``data`` and fsyncs it.
+
+    On failure the partly written file is removed.
+    """
+    with open(path, "xb") as f:
+        try:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
 
 
 def save_atomic(state: Mapping[str, Any], path: str | Path) -> Path:
     """Saves ``state`` with ``torch.save`` so that ``path`` is never left half-written.
 
     Args:
-        state: What to save; load it back with :func:`load_checkpoint`, which accepts only
+        state: What to save; load it back with :func:`load_state_file`, which accepts only
             tensors and plain Python data.
         path: The checkpoint file; its folder must exist.
 
@@ -179,11 +234,14 @@ def _unpickling_error(path: Path, exc: pickle.UnpicklingError) -> CheckpointErro
     )
 
 
-def load_checkpoint(path: str | Path, *, map_location: MapLocation = "cpu") -> dict[str, Any]:
-    """Loads a checkpoint with ``torch.load(..., weights_only=True)``, never unsafely.
+def load_state_file(path: str | Path, *, map_location: MapLocation = "cpu") -> dict[str, Any]:
+    """Loads one ``torch.save`` file with ``torch.load(..., weights_only=True)``, never unsafely.
+
+    This reads a single file and checks no manifest; a run's checkpoints are folders, loaded
+    (and verified) with :func:`stoker.checkpoint.load_checkpoint`.
 
     Args:
-        path: The checkpoint file.
+        path: The file.
         map_location: Where to put the tensors, as for ``torch.load``.
 
     Returns:
@@ -196,8 +254,9 @@ def load_checkpoint(path: str | Path, *, map_location: MapLocation = "cpu") -> d
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(
-            f"{path} is a folder, not a checkpoint file.",
-            hint=f"pass a file such as {path / 'last.pt'}; {listing_hint(path)}",
+            f"{path} is a folder, not a single checkpoint file.",
+            hint="load a checkpoint folder (step-*/) with stoker.checkpoint.load_checkpoint, "
+            f"which verifies it; {listing_hint(path)}",
         )
     if not path.exists():
         raise CheckpointError(f"Checkpoint {path} does not exist.", hint=listing_hint(path.parent))

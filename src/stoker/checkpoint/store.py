@@ -1,92 +1,105 @@
-"""The checkpoint folder of a run: epoch files, last.pt, best.pt, rotation and lookup."""
+"""The Checkpointer: writes checkpoint folders, moves the last/best pointers, rotates old ones."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Literal
 
-from stoker.checkpoint.io import atomic_path, save_atomic
+from stoker.checkpoint.io import fsync_dir, os_error, write_durable
+from stoker.checkpoint.layout import (
+    POINTERS,
+    TEMP_PREFIX,
+    Pointer,
+    checkpoint_name,
+    find_latest,
+    is_checkpoint_name,
+    read_pointer,
+    scan_checkpoints,
+)
+from stoker.checkpoint.lock import FolderLock
+from stoker.checkpoint.manifest import write_checkpoint_files
 from stoker.errors import CheckpointError
 
-__all__ = ["STATE_KEY", "Checkpointer", "find_latest"]
+__all__ = ["STATE_KEY", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
-LAST = "last.pt"
-BEST = "best.pt"
 # The key under which Checkpointer.save stores its own (post-save) state in each checkpoint.
 STATE_KEY = "checkpointer"
-_EPOCH_FILE_RE = re.compile(r"epoch-(\d+)-step-(\d+)\.pt")
 _STATE_FIELDS = ("monitor", "mode", "best_value", "best_epoch", "best_step")
+_PLAIN_DATA = "tensors and plain data (dict, list, tuple, str, int, float, bool, None)"
 
 
-def _epoch_files(directory: Path) -> list[Path]:
-    """The ``epoch-*-step-*.pt`` files in ``directory``, oldest (epoch, step) first."""
-    found: list[tuple[tuple[int, int], Path]] = []
-    for path in directory.glob("epoch-*.pt"):
-        match = _EPOCH_FILE_RE.fullmatch(path.name)
-        if match and path.is_file():
-            found.append(((int(match[1]), int(match[2])), path))
-    return [path for _, path in sorted(found)]
+def _remove(path: Path) -> None:
+    """Removes a checkpoint folder (or a symlink, never what it points to) all at once.
 
-
-def find_latest(directory_or_run_dir: str | Path) -> Path | None:
-    """Finds the checkpoint to resume from.
-
-    Args:
-        directory_or_run_dir: A checkpoints folder, or a run dir that holds ``checkpoints/``.
-
-    Returns:
-        ``last.pt`` if present, else the newest ``epoch-*.pt`` by (epoch, step), else None
-        (also when the folder does not exist).
+    The folder is first renamed to a ``.tmp-`` name, so a crash mid-removal never leaves a
+    half-deleted checkpoint under its real name; the next save clears the rest.
     """
-    directory = Path(directory_or_run_dir)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    if not directory.is_dir():
-        return None
-    if (directory / LAST).is_file():
-        return directory / LAST
-    epoch_files = _epoch_files(directory)
-    return epoch_files[-1] if epoch_files else None
-
-
-def _point_at(target: Path, link: Path) -> None:
-    """Makes ``link`` an atomic hard link to ``target`` (a copy where links are unsupported)."""
-    tmp = link.with_name(f".tmp-{link.stem}-{secrets.token_hex(6)}{link.suffix}")
-    try:
-        os.link(target, tmp)
-    except OSError:
-        # Some filesystems (FAT, a few network mounts) have no hard links: copy instead.
-        with atomic_path(link, what="checkpoint link") as copy_tmp:
-            shutil.copyfile(target, copy_tmp)
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
         return
-    try:
-        os.replace(tmp, link)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"Could not point {link} at {target}: {exc.strerror or exc}.",
-            hint=f"check that {link.parent} is writable",
-        ) from exc
-    # rename() is a no-op when both names already share an inode, leaving tmp behind.
-    tmp.unlink(missing_ok=True)
+    doomed = path.with_name(f"{TEMP_PREFIX}del-{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+class _PointerBackup:
+    """The old content of a pointer file, to put back if a save fails after replacing it."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.link: Path | None = None
+        self.data: bytes | None = None
+        if not target.exists():
+            return
+        link = target.with_name(f"{TEMP_PREFIX}bak-{target.name}-{secrets.token_hex(4)}")
+        try:
+            # A hard link restores by rename, which needs no free space.
+            os.link(target, link)
+            self.link = link
+        except OSError:
+            self.data = target.read_bytes()
+
+    def restore(self) -> None:
+        if self.link is not None:
+            os.replace(self.link, self.target)
+            # rename() does nothing when both names are links to one file: drop the extra.
+            self.link.unlink(missing_ok=True)
+            self.link = None
+        elif self.data is not None:
+            temp = self.target.with_name(f"{TEMP_PREFIX}{secrets.token_hex(4)}")
+            write_durable(temp, self.data)
+            os.replace(temp, self.target)
+        else:
+            self.target.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        if self.link is not None:
+            self.link.unlink(missing_ok=True)
 
 
 class Checkpointer:
-    """Owns a checkpoint folder: writes epoch files, keeps last.pt/best.pt, rotates old files.
+    """Owns a checkpoints folder: writes checkpoint folders, moves last/best, rotates old ones.
 
-    Files are ``epoch-{epoch:04d}-step-{step:08d}.pt``; ``last.pt`` and ``best.pt`` are hard
-    links to one of them, so rotating an epoch file away never changes them. Only the newest
-    ``keep_last`` epoch files (by epoch, then step) are kept, and the file just written always
-    counts among them.
+    Each save writes ``step-{step:08d}/`` (``-2``, ``-3``… if a resumed run reaches a step
+    again) holding ``state.pt``, ``manifest.json`` (the SHA-256 of every file, computed
+    while writing) and, last, ``COMPLETE``. The folder is built as ``.tmp-…``, fsynced and
+    renamed into place; then ``last.json`` (and ``best.json`` if it is the best) are replaced
+    atomically; then old checkpoints are rotated: the newest ``keep_last`` (by save order)
+    and the best are kept, everything else is removed. A failed save changes nothing.
+
+    The folder is locked (``flock`` on ``.lock``) from construction until :meth:`close`, so
+    a second writer, in another process or this one, is refused with the holder's pid.
 
     Each saved checkpoint also holds this object's state, as it is after that save, under
     ``STATE_KEY`` ("checkpointer"); on resume pass it to :meth:`load_state_dict` so that the
@@ -104,22 +117,24 @@ class Checkpointer:
         monitor: str | None = "val/loss",
         mode: Literal["min", "max"] = "min",
     ) -> None:
-        """Creates the folder if it is missing.
+        """Creates the folder if it is missing and locks it.
 
         Args:
-            directory: The checkpoint folder (usually ``<run dir>/checkpoints``).
-            keep_last: How many epoch files to keep; at least 1.
-            keep_best: Whether to keep ``best.pt``; needs ``monitor``.
+            directory: The checkpoints folder (usually ``<run dir>/checkpoints``).
+            keep_last: How many of the newest checkpoints to keep; at least 1.
+            keep_best: Whether to keep the best checkpoint (and ``best.json``); needs
+                ``monitor``.
             monitor: The metric key that decides the best checkpoint; None turns best off.
             mode: "min" if a lower ``monitor`` value is better, "max" if higher is better.
 
         Raises:
-            CheckpointError: An option is invalid or the folder cannot be created.
+            CheckpointError: An option is invalid, the folder cannot be created, or another
+                Checkpointer holds its lock.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(
                 f"checkpoint.keep_last must be an integer >= 1, got {keep_last!r}.",
-                hint="set checkpoint.keep_last to 1 or more (last.pt needs one epoch file)",
+                hint="set checkpoint.keep_last to 1 or more (resuming needs one checkpoint)",
             )
         if mode not in ("min", "max"):
             raise CheckpointError(
@@ -134,6 +149,8 @@ class Checkpointer:
                 f"Could not create the checkpoint folder {self._directory}: {exc.strerror or exc}.",
                 hint="choose a run dir on a writable disk",
             ) from exc
+        self._lock = FolderLock(self._directory)
+        self._closed = False
         self._keep_last = keep_last
         self._keep_best = keep_best
         self._monitor = monitor
@@ -141,10 +158,27 @@ class Checkpointer:
         self._best_value: float | None = None
         self._best_epoch: int | None = None
         self._best_step: int | None = None
+        self._best_name: str | None = None
+
+    def close(self) -> None:
+        """Releases the folder's lock; the Checkpointer cannot save afterwards."""
+        self._closed = True
+        self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     @property
     def directory(self) -> Path:
-        """The checkpoint folder."""
+        """The checkpoints folder."""
         return self._directory
 
     @property
@@ -154,20 +188,18 @@ class Checkpointer:
 
     @property
     def best_path(self) -> Path | None:
-        """``best.pt`` if it exists, else None."""
-        path = self._directory / BEST
-        return path if path.is_file() else None
+        """The checkpoint folder ``best.json`` names, if both exist, else None."""
+        return read_pointer(self._directory, "best")
 
     @property
     def last_path(self) -> Path | None:
-        """``last.pt`` if it exists, else None."""
-        path = self._directory / LAST
-        return path if path.is_file() else None
+        """The checkpoint folder ``last.json`` names, if both exist, else None."""
+        return read_pointer(self._directory, "last")
 
     def _tracks_best(self) -> bool:
         return self._keep_best and self._monitor is not None
 
-    def _monitored_value(self, metrics: Mapping[str, float]) -> float:
+    def _monitored_value(self, metrics: Mapping[str, Any]) -> float:
         assert self._monitor is not None
         if self._monitor not in metrics:
             present = ", ".join(sorted(map(str, metrics))) or "none"
@@ -200,24 +232,32 @@ class Checkpointer:
         *,
         epoch: int,
         step: int,
-        metrics: Mapping[str, float],
+        metrics: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Writes a checkpoint, updates last.pt (and best.pt if it is the best), rotates.
+        """Writes a checkpoint folder, points last.json (and best.json) at it, rotates.
 
         Args:
             state: What to save (tensors and plain data). A copy is written with this
                 object's post-save state added under ``STATE_KEY``.
-            epoch: The epoch number, used in the file name.
-            step: The optimizer step, used in the file name.
+            epoch: The epoch number, recorded in the manifest.
+            step: The optimizer step, used in the folder name.
             metrics: The metrics of this point; must hold ``monitor`` when best is kept.
+                None (a save between validations, e.g. mid-epoch) makes this checkpoint no
+                candidate for best.
 
         Returns:
-            The epoch file written.
+            The checkpoint folder written.
 
         Raises:
-            CheckpointError: The monitored metric is missing, or writing failed; a failed
-                write leaves every existing file as it was and rotates nothing.
+            CheckpointError: The monitored metric is missing, the Checkpointer is closed, or
+                writing failed; a failed save leaves every checkpoint and pointer file as it
+                was and rotates nothing.
         """
+        if self._closed:
+            raise CheckpointError(
+                f"This Checkpointer for {self._directory} is closed.",
+                hint="create a new Checkpointer to save again",
+            )
         for name, number in (("epoch", epoch), ("step", step)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 0:
                 raise CheckpointError(
@@ -225,7 +265,7 @@ class Checkpointer:
                 )
         is_best = False
         value = math.nan
-        if self._tracks_best():
+        if self._tracks_best() and metrics is not None:
             value = self._monitored_value(metrics)
             is_best = self._is_better(value)
         if STATE_KEY in state and not _is_checkpointer_state(state[STATE_KEY]):
@@ -234,44 +274,162 @@ class Checkpointer:
                 "stoker reserves for the checkpointer's own state.",
                 hint=f"rename that entry of the state to something other than {STATE_KEY!r}",
             )
+        # Leftovers of saves that were killed: safe to remove, the lock says no one else writes.
+        self._remove_leftovers()
+        healthy, _ = scan_checkpoints(self._directory)
+        name = checkpoint_name(step, set(os.listdir(self._directory)))
+        sequence = max((info.sequence for info in healthy), default=0) + 1
         after = self.state_dict()
         if is_best:
-            after.update(best_value=value, best_epoch=epoch, best_step=step)
-        path = self._directory / f"epoch-{epoch:04d}-step-{step:08d}.pt"
-        save_atomic({**state, STATE_KEY: after}, path)
-        _point_at(path, self._directory / LAST)
+            after.update(best_value=value, best_epoch=epoch, best_step=step, best_checkpoint=name)
+        final = self._directory / name
+        pointers = {"last": {"checkpoint": name, "epoch": epoch, "step": step}}
         if is_best:
-            _point_at(path, self._directory / BEST)
+            pointers["best"] = {"checkpoint": name, "epoch": epoch, "step": step}
+        elif self._best_pointer_is_stale():
+            # A save killed between its rename and best.json left the old best named there.
+            pointers["best"] = {
+                "checkpoint": self._best_name,
+                "epoch": self._best_epoch,
+                "step": self._best_step,
+            }
+        temp = self._directory / f"{TEMP_PREFIX}{name}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(temp)
+            write_checkpoint_files(
+                temp,
+                {**state, STATE_KEY: after},
+                sequence=sequence,
+                epoch=epoch,
+                step=step,
+                metrics=metrics or {},
+            )
+            self._commit(temp, final, pointers)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(temp)
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, OSError):
+                raise os_error(final, "checkpoint", exc) from exc
+            raise CheckpointError(
+                f"Could not write checkpoint {final}: {type(exc).__name__}: {exc}",
+                hint=f"save only {_PLAIN_DATA}",
+            ) from exc
+        if is_best:
             self._best_value, self._best_epoch, self._best_step = value, epoch, step
-        self._rotate(keep=path)
-        return path
+            self._best_name = name
+        self._rotate(keep=final)
+        return final
+
+    def _best_pointer_is_stale(self) -> bool:
+        if not self._tracks_best() or self._best_name is None:
+            return False
+        if not (self._directory / self._best_name).is_dir():
+            return False
+        try:
+            current = read_pointer(self._directory, "best")
+        except CheckpointError:
+            return True
+        return current is None or current.name != self._best_name
+
+    def _commit(self, temp: Path, final: Path, pointers: Mapping[Pointer, dict[str, Any]]) -> None:
+        """Renames ``temp`` to ``final`` and replaces the pointer files, all or nothing."""
+        prepared: list[tuple[Path, Path]] = []
+        backups: list[_PointerBackup] = []
+        moved = False
+        replaced = 0
+        try:
+            for which, content in pointers.items():
+                target = self._directory / POINTERS[which]
+                staged = target.with_name(f"{TEMP_PREFIX}{target.stem}-{secrets.token_hex(4)}")
+                prepared.append((staged, target))
+                write_durable(staged, (json.dumps(content, indent=2) + "\n").encode())
+            for _, target in prepared:
+                backups.append(_PointerBackup(target))
+            os.rename(temp, final)
+            moved = True
+            for staged, target in prepared:
+                os.replace(staged, target)
+                replaced += 1
+            # One fsync of the folder makes the rename and the replaced pointers durable.
+            fsync_dir(self._directory)
+        except BaseException:
+            self._undo(temp, final if moved else None, prepared, backups[:replaced])
+            raise
+        finally:
+            for backup in backups:
+                with contextlib.suppress(OSError):
+                    backup.discard()
+
+    def _undo(
+        self,
+        temp: Path,
+        final: Path | None,
+        prepared: list[tuple[Path, Path]],
+        backups: list[_PointerBackup],
+    ) -> None:
+        try:
+            for backup in backups:
+                backup.restore()
+            if final is not None:
+                os.rename(final, temp)  # the caller removes temp
+            for staged, _ in prepared:
+                staged.unlink(missing_ok=True)
+        except OSError as exc:
+            # The original error is what the user needs; this one is only logged.
+            logger.warning(
+                "could not undo a failed checkpoint save in %s: %s", self._directory, exc
+            )
+
+    def _remove_leftovers(self) -> None:
+        for path in self._directory.glob(f"{TEMP_PREFIX}*"):
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("could not remove the leftover %s: %s", path, exc)
 
     def _rotate(self, *, keep: Path) -> None:
-        others = [p for p in _epoch_files(self._directory) if p != keep]
-        stale = others[: max(0, len(others) - (self._keep_last - 1))]
-        for path in stale:
+        healthy, damaged = scan_checkpoints(self._directory)
+        kept = {keep.name} | {info.path.name for info in healthy[: self._keep_last]}
+        if self._tracks_best() and self._best_name is not None:
+            kept.add(self._best_name)
+        doomed = [info.path for info in healthy if info.path.name not in kept]
+        for path, reason in damaged:
+            logger.warning("removing damaged checkpoint %s: %s", path, reason)
+            doomed.append(path)
+        for path in doomed:
             try:
-                path.unlink(missing_ok=True)
+                _remove(path)
             except OSError as exc:
-                # The new checkpoint is safe; an old file that will not go is worth a warning,
+                # The new checkpoint is safe; an old one that will not go is worth a warning,
                 # not a failed save.
                 logger.warning("could not delete old checkpoint %s: %s", path, exc)
+        best_pointer = self._directory / POINTERS["best"]
+        with contextlib.suppress(OSError, CheckpointError):
+            if best_pointer.exists() and read_pointer(self._directory, "best") is None:
+                best_pointer.unlink()
 
     def state_dict(self) -> dict[str, Any]:
-        """The best-so-far bookkeeping, as plain data."""
+        """The best-so-far bookkeeping (value, epoch, step, folder name), as plain data."""
         return {
             "monitor": self._monitor,
             "mode": self._mode,
             "best_value": self._best_value,
             "best_epoch": self._best_epoch,
             "best_step": self._best_step,
+            "best_checkpoint": self._best_name,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the best-so-far from :meth:`state_dict` (or a checkpoint's ``STATE_KEY``).
 
-        If the saved state tracked a different monitor or mode, its best value is not
-        comparable: it is dropped with a warning and best tracking starts afresh.
+        The best checkpoint's folder is protected from rotation from then on. If the saved
+        state tracked a different monitor or mode, its best value is not comparable: it is
+        dropped with a warning and best tracking starts afresh.
 
         Raises:
             CheckpointError: ``state`` is not a checkpointer state.
@@ -292,12 +450,16 @@ class Checkpointer:
                 self._monitor,
                 self._mode,
             )
-            self._best_value = self._best_epoch = self._best_step = None
+            self._best_value = self._best_epoch = self._best_step = self._best_name = None
             return
         best = state["best_value"]
         self._best_value = None if best is None else float(best)
         self._best_epoch = state["best_epoch"]
         self._best_step = state["best_step"]
+        # Older states have no folder name; a name that is not a checkpoint name is ignored,
+        # so a crafted state cannot make rotation keep (or name) a path outside the folder.
+        name = state.get("best_checkpoint")
+        self._best_name = name if is_checkpoint_name(name) else None
 
 
 def _is_checkpointer_state(value: object) -> bool:

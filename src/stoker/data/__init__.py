@@ -12,6 +12,7 @@ from stoker.data.memmap import NpyDataset
 from stoker.data.parquet import ParquetDataset
 from stoker.data.records import BadRecordLog, BadSample
 from stoker.data.samplers import (
+    BlockShuffleSampler,
     EpochRandomSampler,
     EpochWeightedSampler,
     balanced_weights,
@@ -38,6 +39,7 @@ __all__ = [
     "ArrayDataset",
     "BadRecordLog",
     "BadSample",
+    "BlockShuffleSampler",
     "ByteTokenizer",
     "CachedDataset",
     "CharTokenizer",

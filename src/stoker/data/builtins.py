@@ -113,16 +113,18 @@ def image_folder(
     bad_records: BadRecordPolicy = "error",
     seed: int = 0,
 ) -> ImageFolder:
-    """One sub-folder per class. ``size`` resizes; ``augment`` adds a padded random crop
-    and a horizontal flip, seeded by (seed, epoch, index) so workers do not change them."""
-    steps: list[Any] = []
+    """One sub-folder per class, as float CHW tensors.
+
+    ``size`` resizes to size×size; ``augment`` adds a padded random crop and a horizontal
+    flip, seeded by (seed, epoch, index) so the number of workers does not change them.
+    """
+    steps: list[Any] = [ToTensor()]  # the random transforms work on tensors
     if size is not None:
-        steps.append(Resize(size))
+        steps.append(Resize((size, size)))  # square, so images of any shape batch together
         if augment:
             steps.append(RandomCrop(size, padding=max(1, size // 8)))
     if augment:
         steps.append(RandomHorizontalFlip())
-    steps.append(ToTensor())
     if mean is not None and std is not None:
         steps.append(Normalize(mean, std))
     return ImageFolder(root, transform=Compose(steps), bad_records=bad_records, seed=seed)

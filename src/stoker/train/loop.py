@@ -264,7 +264,8 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         if loop.stop.requested:
             raise TrainingInterrupted(
                 f"stopped by {loop.stop.signal_name} after step {state.step} "
-                f"(epoch {state.epoch}, batch {consumed}); the checkpoint holds this step",
+                f"(epoch {state.epoch + 1}, batch {consumed})"
+                + ("; checkpoint saved" if loop.on_step_checkpoint else "; no checkpoint"),
                 hint="resume with --resume RUN_DIR (the run dir printed above)",
             )
         if window.steps >= loop.log_every_steps:
@@ -289,8 +290,9 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     if loop.clipper.max_norm is not None or loop.clipper.max_value is not None:
         record["grad/clip_rate"] = loop.clipper.clipped_steps.item() / max(state.step, 1)
     for warning in loop.health.warnings():
-        if warning not in loop.warned:
-            loop.warned.add(warning)
+        kind = warning[:24]  # the same advice with other figures is not news
+        if kind not in loop.warned:
+            loop.warned.add(kind)
             loop.progress.message(f"warning: {warning}")
     return record
 

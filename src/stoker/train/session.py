@@ -18,7 +18,8 @@ from stoker import components
 from stoker.checkpoint import (
     Checkpointer,
     export_safetensors,
-    find_latest,
+    find_latest_valid,
+    is_checkpoint_dir,
     load_checkpoint,
 )
 from stoker.config import RunConfig, write_config
@@ -28,7 +29,7 @@ from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_f
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.records import BadRecordLog
-from stoker.errors import CheckpointError, ConfigError
+from stoker.errors import CheckpointError, ConfigError, TrainingInterrupted
 from stoker.observe.progress import build_progress
 from stoker.observe.report import write_report
 from stoker.observe.sinks import build_sinks
@@ -41,8 +42,9 @@ from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.precision import Precision
+from stoker.train.resume import ResumableParts, stop_on_signals
 from stoker.train.rundir import create_run_dir
-from stoker.train.state import TrainState, capture_rng_state, restore_rng_state, seed_everything
+from stoker.train.state import TrainState, seed_everything
 
 logger = logging.getLogger("stoker")
 
@@ -219,7 +221,6 @@ def train_run(
         monitor=monitor.metric,
         mode=monitor.mode,
     )
-    history: list[dict[str, Any]] = []
     bad_records = BadRecordLog(
         run_dir / "bad_records.jsonl",
         max_total=config.data.max_bad_records,
@@ -232,22 +233,30 @@ def train_run(
         fingerprint = fingerprint_dataset(
             pipeline.train_data, full=config.data.fingerprint == "full"
         )
-    if resume is not None:
-        bundle = _load_resume_bundle(resume)
+    parts = ResumableParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=precision,
+        state=state,
+        clipper=GradClipper(
+            max_norm=config.train.clip_grad_norm, max_value=config.train.clip_grad_value
+        ),
+        checkpointer=checkpointer,
+        bad_records=bad_records,
+        train_loader=train_loader,
+        config=config.to_dict(),
+        fingerprint=fingerprint,
+    )
+    history: list[dict[str, Any]] = []
+    in_epoch = None
+    bundle = _load_resume_bundle(resume) if resume is not None else None
+    if bundle is not None:
         if fingerprint is not None and bundle.get("data_fingerprint") is not None:
             data_warning = verify_dataset(
                 pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
             )
-        bad_records.load_state_dict(bundle.get("bad_records", bad_records.state_dict()))
-        model.load_state_dict(bundle["model"])
-        optimizer.load_state_dict(bundle["optimizer"])
-        scheduler.load_state_dict(bundle["scheduler"])
-        precision.load_state_dict(bundle["precision"])
-        state.load_state_dict(bundle["train_state"])
-        checkpointer.load_state_dict(bundle["checkpointer"])
-        history = list(bundle.get("history", []))
-        # Last, so nothing built above consumes random numbers after the restore.
-        restore_rng_state(bundle["rng"])
+        history, in_epoch = parts.restore(bundle)
     write_config(config, run_dir / "config.yaml")
     if fingerprint is not None:
         write_fingerprint(fingerprint, run_dir)
@@ -264,37 +273,35 @@ def train_run(
         }
     sink = build_sinks(run_dir, tensorboard=tracking.tensorboard, mlflow=mlflow)
     view = build_progress(progress)  # type: ignore[arg-type]
-    if resume is not None:
-        view.message(f"resuming {run_dir} after epoch {state.epoch} (step {state.step})")
+    if bundle is not None:
+        where = f"in epoch {state.epoch + 1}" if in_epoch else f"after epoch {state.epoch}"
+        view.message(f"resuming {run_dir} {where} (step {state.step})")
+    elif resume is not None:
+        view.message(f"{run_dir} has no checkpoint yet: starting it from the beginning")
     if data_warning:
         view.message(f"warning: {data_warning}")
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
-        if not config.checkpoint.enabled:
-            return
-        bundle = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "precision": precision.state_dict(),
-            "train_state": state.state_dict(),
-            "checkpointer": checkpointer.state_dict(),
-            "history": loop.history,
-            "rng": capture_rng_state(),
-            "config": config.to_dict(),
-            "data_fingerprint": fingerprint.to_dict() if fingerprint else None,
-            "bad_records": bad_records.state_dict(),
-        }
-        checkpointer.save(bundle, epoch=record["epoch"], step=state.step, metrics=record)
+        if config.checkpoint.enabled:
+            checkpointer.save(
+                parts.bundle(loop), epoch=record["epoch"], step=state.step, metrics=record
+            )
+
+    def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
+        # Not a candidate for best: there are no validation metrics mid-epoch.
+        checkpointer.save(
+            parts.bundle(loop, in_epoch=progress_in_epoch),
+            epoch=state.epoch,
+            step=state.step,
+            metrics=None,
+        )
 
     loop = Loop(
         model=called_model,
         optimizer=optimizer,
         scheduler=scheduler,
         precision=precision,
-        clipper=GradClipper(
-            max_norm=config.train.clip_grad_norm, max_value=config.train.clip_grad_value
-        ),
+        clipper=parts.clipper,
         loss_fn=loss_fn,
         loss_name=config.loss.name,
         task=_task(config),
@@ -317,13 +324,23 @@ def train_run(
         normalize=config.loss.normalize,
         ignore_index=config.loss.ignore_index,
         history=history,
+        checkpoint_every_steps=config.checkpoint.every_steps,
+        on_step_checkpoint=save_in_epoch if config.checkpoint.enabled else None,
+        resume_in_epoch=in_epoch,
     )
     (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
     try:
-        run(loop)
+        with stop_on_signals(loop.stop):
+            run(loop)
         export_safetensors(model, run_dir / "model.safetensors")
+    except TrainingInterrupted as stopped:
+        stopped.hint = (
+            f"resume with: {(resume_hint or '--resume {run_dir}').format(run_dir=run_dir)}"
+        )
+        raise
     finally:
         sink.close()
+        checkpointer.close()
     summary = _write_summary(loop, run_dir)
     for line in summary_lines(summary):
         view.message(line)
@@ -424,21 +441,33 @@ def _monitor(config: RunConfig, *, has_val: bool) -> Monitor:
 def _run_dir(config: RunConfig, resume: str | Path | None) -> Path:
     if resume is not None:
         path = Path(resume)
-        return path.parent.parent if path.is_file() else path
+        return path.parent.parent if path.is_file() or is_checkpoint_dir(path) else path
     return create_run_dir(config.tracking.run_dir, root=config.tracking.runs_root, name=config.name)
 
 
-def _load_resume_bundle(resume: str | Path) -> dict[str, Any]:
+def _load_resume_bundle(resume: str | Path) -> dict[str, Any] | None:
+    """The newest checkpoint of a run dir; None for a run stopped before its first one."""
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"--resume: {path} does not exist", hint="give the run dir to resume")
-    checkpoint = path if path.is_file() else find_latest(path)
+    checkpoint, damaged = find_latest_valid(path)
+    for folder, reason in damaged:
+        logger.warning("checkpoint %s is damaged (%s); skipping it", folder, reason)
     if checkpoint is None:
+        if damaged:
+            raise CheckpointError(
+                f"--resume: every checkpoint in {path} is damaged; the newest: {damaged[0][1]}",
+                hint="restore the checkpoints from a copy, or start a new run",
+            )
+        if (path / "config.yaml").is_file():
+            return None  # killed before its first checkpoint: start it again from the top
         raise CheckpointError(
-            f"--resume: no checkpoint in {path}",
-            hint="resume needs a run dir with checkpoints/; checkpoint.enabled must be true",
+            f"--resume: {path} is not a run dir (no config.yaml, no checkpoints)",
+            hint="give the folder a run printed as its run dir",
         )
-    return load_checkpoint(checkpoint)
+    if damaged:
+        logger.warning("resuming from %s, the newest checkpoint that verifies", checkpoint)
+    return load_checkpoint(checkpoint, verify=False)  # find_latest_valid just verified it
 
 
 def _say_where(view: Any, run_dir: Path, resume_hint: str | None) -> None:

@@ -1,4 +1,4 @@
-"""Tests for atomic checkpoint writes and safe checkpoint loads."""
+"""Tests for atomic single-file writes and safe (weights_only) single-file loads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from stoker.checkpoint import load_checkpoint, save_atomic
+from stoker.checkpoint import load_state_file, save_atomic
 from stoker.errors import CheckpointError
 
 
@@ -73,7 +73,7 @@ def test_round_trip_keeps_model_optimizer_plain_data_and_rng(tmp_path: Path) -> 
     state = trained_state()
     path = save_atomic(state, tmp_path / "ckpt.pt")
 
-    loaded = load_checkpoint(path)
+    loaded = load_state_file(path)
 
     assert path == tmp_path / "ckpt.pt"
     assert_same(state, loaded)
@@ -89,7 +89,7 @@ def test_save_atomic_replaces_an_existing_file_and_leaves_no_temp_files(tmp_path
     save_atomic({"version": 1}, path)
     save_atomic({"version": 2}, str(path))
 
-    assert load_checkpoint(path) == {"version": 2}
+    assert load_state_file(path) == {"version": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 
@@ -108,7 +108,7 @@ def test_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) 
     torch.save({"model": {}, "payload": CreatesFileOnUnpickle(target)}, path)
 
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
+        load_state_file(path)
 
     assert not target.exists()
     message = str(info.value)
@@ -127,7 +127,7 @@ def test_checkpoint_with_a_dataclass_is_refused_naming_the_class(tmp_path: Path)
     torch.save({"info": RunInfo("a", 1)}, path)
 
     with pytest.raises(CheckpointError, match="arbitrary Python objects") as info:
-        load_checkpoint(path)
+        load_state_file(path)
 
     assert "RunInfo" in info.value.message
     assert str(path) in info.value.message
@@ -141,7 +141,7 @@ def test_truncated_checkpoint_is_reported_with_its_path(tmp_path: Path, keep: fl
     path.write_bytes(data[: int(len(data) * keep)])
 
     with pytest.raises(CheckpointError, match="truncated or not a checkpoint") as info:
-        load_checkpoint(path)
+        load_state_file(path)
 
     assert str(path) in info.value.message
 
@@ -151,7 +151,7 @@ def test_garbage_file_is_reported_as_not_a_checkpoint(tmp_path: Path) -> None:
     path.write_bytes(b"hello world, not a checkpoint " * 20)
 
     with pytest.raises(CheckpointError, match="truncated or not a checkpoint"):
-        load_checkpoint(path)
+        load_state_file(path)
 
 
 def test_missing_checkpoint_names_the_path_and_lists_the_folder(tmp_path: Path) -> None:
@@ -159,7 +159,7 @@ def test_missing_checkpoint_names_the_path_and_lists_the_folder(tmp_path: Path) 
     missing = tmp_path / "epoch-0002-step-00000020.pt"
 
     with pytest.raises(CheckpointError, match="does not exist") as info:
-        load_checkpoint(missing)
+        load_state_file(missing)
 
     assert str(missing) in info.value.message
     assert info.value.hint is not None
@@ -168,14 +168,14 @@ def test_missing_checkpoint_names_the_path_and_lists_the_folder(tmp_path: Path) 
 
 def test_missing_checkpoint_in_a_missing_folder_says_so(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(tmp_path / "nope" / "last.pt")
+        load_state_file(tmp_path / "nope" / "last.pt")
 
     assert info.value.hint is not None and "does not exist either" in info.value.hint
 
 
 def test_a_folder_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="is a folder"):
-        load_checkpoint(tmp_path)
+        load_state_file(tmp_path)
 
 
 def test_a_checkpoint_that_is_not_a_dict_is_refused(tmp_path: Path) -> None:
@@ -183,7 +183,7 @@ def test_a_checkpoint_that_is_not_a_dict_is_refused(tmp_path: Path) -> None:
     torch.save([1, 2, 3], path)
 
     with pytest.raises(CheckpointError, match="holds a list, not a dict"):
-        load_checkpoint(path)
+        load_state_file(path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -191,7 +191,7 @@ def test_map_location_to_a_missing_device_is_explained(tmp_path: Path) -> None:
     path = save_atomic({"w": torch.ones(2)}, tmp_path / "ckpt.pt")
 
     with pytest.raises(CheckpointError, match="map_location") as info:
-        load_checkpoint(path, map_location="cuda")
+        load_state_file(path, map_location="cuda")
 
     assert info.value.hint is not None and 'map_location="cpu"' in info.value.hint
 
@@ -216,7 +216,7 @@ def test_failed_save_keeps_the_old_file_and_removes_the_temp_file(
     assert "No space left on device" in info.value.message
     assert "ENOSPC" in info.value.message
     assert info.value.hint is not None and "keep_last" in info.value.hint
-    assert load_checkpoint(path) == {"version": 1}
+    assert load_state_file(path) == {"version": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 
@@ -234,7 +234,7 @@ def test_failed_rename_keeps_the_old_file_and_removes_the_temp_file(
         save_atomic({"version": 2}, path)
 
     monkeypatch.undo()
-    assert load_checkpoint(path) == {"version": 1}
+    assert load_state_file(path) == {"version": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 

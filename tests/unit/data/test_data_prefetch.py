@@ -60,7 +60,8 @@ def test_training_on_cuda_uses_the_prefetcher(tmp_path) -> None:
     x = torch.randn(512, 8)
     y = (x[:, 0] > 0).long()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    result = stoker.fit(model, (x, y), epochs=2, run_dir=tmp_path, progress="quiet",
-                        tensorboard=False)
+    result = stoker.fit(
+        model, (x, y), epochs=2, run_dir=tmp_path, progress="quiet", tensorboard=False
+    )
     assert next(result.model.parameters()).is_cuda
     assert result.metrics["time/transfer_s"] >= 0

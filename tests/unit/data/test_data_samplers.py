@@ -124,8 +124,9 @@ def test_parquet_gets_the_block_shuffle_by_default(tmp_path) -> None:
 
     table = pa.table({"a": list(range(100)), "label": [i % 2 for i in range(100)]})
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=20)
-    loader = build_loader(ParquetDataset(tmp_path / "t.parquet", target="label"),
-                          batch_size=10, shuffle=True)
+    loader = build_loader(
+        ParquetDataset(tmp_path / "t.parquet", target="label"), batch_size=10, shuffle=True
+    )
     assert isinstance(loader.sampler, BlockShuffleSampler)
     values = torch.cat([features[:, 0] for features, _ in loader])
     assert sorted(values.long().tolist()) == list(range(100))

@@ -48,7 +48,12 @@ def test_fit_learns_and_writes_the_run_dir(tmp_path, toy_classification, mlp_fac
     epoch_lines = [line for line in lines if "val/loss" in line]
     assert [line["epoch"] for line in epoch_lines] == list(range(8))
     assert epoch_lines[-1]["step"] == 8 * 6  # 192 samples / 32 per step
-    for name in ("config.yaml", "model.safetensors", "checkpoints/last.pt", "checkpoints/best.pt"):
+    for name in (
+        "config.yaml",
+        "model.safetensors",
+        "checkpoints/last.json",
+        "checkpoints/best.json",
+    ):
         assert (tmp_path / "run" / name).is_file(), name
     weights = load_file(tmp_path / "run" / "model.safetensors")
     torch.testing.assert_close(weights["2.weight"], result.model[2].weight.detach())
@@ -57,7 +62,8 @@ def test_fit_learns_and_writes_the_run_dir(tmp_path, toy_classification, mlp_fac
 def test_last_checkpoint_loads_weights_only(tmp_path, toy_classification, mlp_factory) -> None:
     x, y = toy_classification
     stoker.fit(mlp_factory(), (x, y), epochs=2, run_dir=tmp_path, **OPTIONS)
-    bundle = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    last = json.loads((tmp_path / "checkpoints" / "last.json").read_text())["checkpoint"]
+    bundle = torch.load(tmp_path / "checkpoints" / last / "state.pt", weights_only=True)
     assert set(bundle) >= {
         "model",
         "optimizer",
@@ -108,8 +114,8 @@ def test_resuming_at_an_epoch_boundary_gives_identical_weights(
         straight.model.state_dict().values(), resumed.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b)
-    a = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")
-    b = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
+    a = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.json")
+    b = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.json")
     assert a["train_state"] == b["train_state"]
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
 
@@ -174,7 +180,7 @@ def test_a_second_run_in_the_same_dir_is_refused(tmp_path, toy_classification, m
 
 def test_resume_without_checkpoints_is_an_error(tmp_path, toy_classification, mlp_factory):
     x, y = toy_classification
-    with pytest.raises(CheckpointError, match="no checkpoint"):
+    with pytest.raises(CheckpointError, match="not a run dir"):
         stoker.fit(mlp_factory(), (x, y), epochs=1, resume=tmp_path, **OPTIONS)
 
 

@@ -1,0 +1,111 @@
+"""The resume bundle: everything a restart needs, saved and restored in one place.
+
+A checkpoint holds the model, optimizer, scheduler, precision (scaler), counters,
+clip statistics, best-so-far, bad-record counts, RNG states, config, data fingerprint
+and, when written in the middle of an epoch, the loader position and the epoch's
+running metrics. All of it is tensors and plain data, so it loads with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stoker.checkpoint import Checkpointer
+from stoker.data.fingerprint import Fingerprint
+from stoker.data.records import BadRecordLog
+from stoker.train.grads import GradClipper
+from stoker.train.loop import Loop, StopRequest
+from stoker.train.precision import Precision
+from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
+
+
+@dataclass
+class ResumableParts:
+    """The stateful pieces of one run, as ``train_run`` built them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    state: TrainState
+    clipper: GradClipper
+    checkpointer: Checkpointer
+    bad_records: BadRecordLog
+    train_loader: Any
+    config: dict[str, Any]
+    fingerprint: Fingerprint | None
+
+    def bundle(self, loop: Loop, *, in_epoch: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint contents now; ``in_epoch`` is the loop's progress mid-epoch."""
+        loader = (
+            self.train_loader.state_dict(batches_consumed=in_epoch["batches"])
+            if in_epoch
+            else {"epoch": self.state.epoch}
+        )
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "train_state": self.state.state_dict(),
+            "clipped_steps": self.clipper.clipped_steps.detach().cpu(),
+            "checkpointer": self.checkpointer.state_dict(),
+            "bad_records": self.bad_records.state_dict(),
+            "history": loop.history,
+            "loader": loader,
+            "in_epoch": in_epoch,
+            "rng": capture_rng_state(),
+            "config": self.config,
+            "data_fingerprint": self.fingerprint.to_dict() if self.fingerprint else None,
+        }
+
+    def restore(self, bundle: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+        """Load a bundle into the parts; returns (history, mid-epoch progress or None).
+
+        The RNG states go last, so nothing built before consumes random numbers after.
+        """
+        self.model.load_state_dict(bundle["model"])
+        self.optimizer.load_state_dict(bundle["optimizer"])
+        self.scheduler.load_state_dict(bundle["scheduler"])
+        self.precision.load_state_dict(bundle["precision"])
+        self.state.load_state_dict(bundle["train_state"])
+        self.clipper.clipped_steps = bundle.get("clipped_steps", self.clipper.clipped_steps)
+        self.checkpointer.load_state_dict(bundle["checkpointer"])
+        self.bad_records.load_state_dict(bundle.get("bad_records", self.bad_records.state_dict()))
+        self.train_loader.load_state_dict(bundle.get("loader", {"epoch": self.state.epoch}))
+        restore_rng_state(bundle["rng"])
+        return list(bundle.get("history", [])), bundle.get("in_epoch")
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: StopRequest) -> Iterator[None]:
+    """Turn SIGTERM/SIGINT into a stop request the loop honours after the current step.
+
+    The handler only sets a flag: saving inside a signal handler could interrupt a
+    half-written step or checkpoint. A second SIGINT stops at once (KeyboardInterrupt).
+    Outside the main thread (where handlers cannot be set) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        if stop.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.signal_name = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
