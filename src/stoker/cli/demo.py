@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=progress_mode(args),
         allow_data_change=args.allow_data_change,
+        allow_config_change=args.allow_config_change,
         resume_hint="stoker demo --resume {run_dir}",
     )
     return 0 if result.history else 1

@@ -22,6 +22,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: continue even though the training data's fingerprint changed",
     )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue although batch size, workers, seed or another setting "
+        "the exact resume depends on changed",
+    )
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--quiet", action="store_true", help="print nothing but errors")
     shown.add_argument(

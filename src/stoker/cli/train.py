@@ -37,5 +37,6 @@ def run(args: argparse.Namespace) -> int:
         progress=progress_mode(args),
         resume_hint=resume_hint,
         allow_data_change=args.allow_data_change,
+        allow_config_change=args.allow_config_change,
     )
     return 0 if result.history else 1

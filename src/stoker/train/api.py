@@ -27,6 +27,7 @@ def fit(
     resume: str | Path | None = None,
     progress: Literal["auto", "rich", "plain", "quiet"] = "auto",
     allow_data_change: bool = False,
+    allow_config_change: bool = False,
     **options: Any,
 ) -> FitResult:
     """Train ``model`` on ``train_data``, validating on ``val_data`` after each epoch.
@@ -45,6 +46,8 @@ def fit(
         resume: A run dir to continue from its last checkpoint.
         progress: How to show progress; ``quiet`` prints nothing.
         allow_data_change: With ``resume``, continue even if the training data changed.
+        allow_config_change: With ``resume``, continue even if the batch size, workers,
+            seed or another setting the exact resume depends on changed.
 
     Returns:
         The final metrics, the per-epoch history, the run dir and the trained model.
@@ -64,7 +67,12 @@ def fit(
         model=model, train_data=train, val_data=val, loss_fn=loss_fn, collate_fn=collate_fn
     )
     return train_run(
-        config, user=user, resume=resume, progress=progress, allow_data_change=allow_data_change
+        config,
+        user=user,
+        resume=resume,
+        progress=progress,
+        allow_data_change=allow_data_change,
+        allow_config_change=allow_config_change,
     )
 
 

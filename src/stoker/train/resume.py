@@ -109,3 +109,36 @@ def stop_on_signals(stop: StopRequest) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+#: Config keys an exact resume depends on: changing one changes which samples each
+#: step sees (or how they are weighted), so the resumed run could not equal the original.
+RESUME_KEYS = (
+    ("seed",),
+    ("loader", "batch_size"),
+    ("loader", "num_workers"),
+    ("loader", "shuffle"),
+    ("loader", "sampler"),
+    ("loader", "drop_last"),
+    ("train", "grad_accum_steps"),
+    ("train", "precision"),
+    ("data", "val_fraction"),
+    ("data", "split_seed"),
+)
+
+
+def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved → now`` for every resume-relevant config value that changed."""
+    changed = []
+    for path in RESUME_KEYS:
+        before, now = _lookup(saved, path), _lookup(current, path)
+        if before != now:
+            changed.append(f"{'.'.join(path)}: {before!r} in the checkpoint, {now!r} now")
+    return changed
+
+
+def _lookup(config: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = config
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value

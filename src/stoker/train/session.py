@@ -42,7 +42,7 @@ from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.precision import Precision
-from stoker.train.resume import ResumableParts, stop_on_signals
+from stoker.train.resume import ResumableParts, resume_mismatches, stop_on_signals
 from stoker.train.rundir import create_run_dir
 from stoker.train.state import TrainState, seed_everything
 
@@ -188,6 +188,7 @@ def train_run(
     progress: str = "auto",
     resume_hint: str | None = None,
     allow_data_change: bool = False,
+    allow_config_change: bool = False,
 ) -> FitResult:
     """Train one run described by ``config``; ``user`` objects take the place of config names.
 
@@ -198,6 +199,7 @@ def train_run(
         progress: ``auto``, ``rich``, ``plain`` or ``quiet``.
         resume_hint: The command that resumes this run, shown at the end.
         allow_data_change: Resume even if the training data's fingerprint changed.
+        allow_config_change: Resume even if a setting the exact resume depends on changed.
     """
     seed_everything(config.seed)
     pipeline = build_pipeline(config, user)
@@ -214,6 +216,20 @@ def train_run(
     monitor = _monitor(config, has_val=val_loader is not None)
 
     run_dir = _run_dir(config, resume)
+    fingerprint = None
+    if config.data.fingerprint != "off":
+        fingerprint = fingerprint_dataset(
+            pipeline.train_data, full=config.data.fingerprint == "full"
+        )
+    # Check that the run can be resumed before anything takes the checkpoint lock.
+    bundle = _load_resume_bundle(resume) if resume is not None else None
+    data_warning = None
+    if bundle is not None:
+        if fingerprint is not None and bundle.get("data_fingerprint") is not None:
+            data_warning = verify_dataset(
+                pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
+            )
+        _check_resume_config(bundle.get("config", {}), config, allow=allow_config_change)
     checkpointer = Checkpointer(
         run_dir / "checkpoints",
         keep_last=config.checkpoint.keep_last,
@@ -227,12 +243,6 @@ def train_run(
         max_consecutive=config.data.max_consecutive_bad_records,
     )
     train_loader.bad_records = bad_records
-    fingerprint = None
-    data_warning = None
-    if config.data.fingerprint != "off":
-        fingerprint = fingerprint_dataset(
-            pipeline.train_data, full=config.data.fingerprint == "full"
-        )
     parts = ResumableParts(
         model=model,
         optimizer=optimizer,
@@ -250,12 +260,7 @@ def train_run(
     )
     history: list[dict[str, Any]] = []
     in_epoch = None
-    bundle = _load_resume_bundle(resume) if resume is not None else None
     if bundle is not None:
-        if fingerprint is not None and bundle.get("data_fingerprint") is not None:
-            data_warning = verify_dataset(
-                pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
-            )
         history, in_epoch = parts.restore(bundle)
     write_config(config, run_dir / "config.yaml")
     if fingerprint is not None:
@@ -374,6 +379,20 @@ def _shuffle(setting: bool | str, dataset: Dataset) -> bool:
     if setting == "auto":
         return not isinstance(dataset, IterableDataset)
     return bool(setting)
+
+
+def _check_resume_config(saved: dict[str, Any], config: RunConfig, *, allow: bool) -> None:
+    changed = resume_mismatches(saved, config.to_dict())
+    if not changed:
+        return
+    if allow:
+        logger.warning("resuming with changed settings: %s", "; ".join(changed))
+        return
+    raise ConfigError(
+        "the run being resumed was trained with other settings, so it could not continue "
+        "exactly:\n" + "\n".join(f"  - {line}" for line in changed),
+        hint="set them back, or pass --allow-config-change to resume anyway",
+    )
 
 
 def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:

@@ -266,3 +266,19 @@ def test_gradient_health_is_recorded_and_adam_clipping_warned(
     assert all(r["update_ratio/0.weight"] > 0 for r in health)
     epochs = [r for r in records if "grad/clip_rate" in r]
     assert epochs[-1]["grad/clip_rate"] == pytest.approx(1.0)
+
+
+def test_resuming_with_another_batch_size_names_the_field(
+    tmp_path, toy_classification, mlp_factory
+) -> None:
+    x, y = toy_classification
+    stoker.fit(mlp_factory(), (x, y), epochs=1, run_dir=tmp_path, **OPTIONS)
+    changed = {**OPTIONS, "batch_size": 64}
+    with pytest.raises(ConfigError) as info:
+        stoker.fit(mlp_factory(), (x, y), epochs=2, resume=tmp_path, **changed)
+    assert "loader.batch_size: 32 in the checkpoint, 64 now" in str(info.value)
+    assert "--allow-config-change" in str(info.value)
+    result = stoker.fit(
+        mlp_factory(), (x, y), epochs=2, resume=tmp_path, allow_config_change=True, **changed
+    )
+    assert len(result.history) == 2
