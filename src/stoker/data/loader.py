@@ -53,8 +53,9 @@ def _returns_batches(dataset: Dataset) -> bool:
     return bool(getattr(dataset, "returns_batches", False)) and hasattr(dataset, "__getitems__")
 
 
-class _SampleView(Dataset):
-    """A batched dataset seen one sample at a time, for a user collate_fn (no __getitems__)."""
+class PerSampleView(Dataset):
+    """A dataset seen one sample at a time (no ``__getitems__``): for a user collate_fn,
+    and for the doctor and tuner, which measure per-sample fetch against batched."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -472,7 +473,7 @@ def build_loader(
     else:
         if batched:
             # A user collate_fn expects a list of samples, as PyTorch gives it.
-            fetched, batched = _SampleView(dataset), False
+            fetched, batched = PerSampleView(dataset), False
         # Samples may be BadSample stand-ins (bad_records="skip"); never collate those.
         collate_fn = skip_bad_collate(collate_fn)
 

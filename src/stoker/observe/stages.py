@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
 from stoker.config import RunConfig
 from stoker.data.device import move_to_device
+from stoker.data.loader import PerSampleView
 from stoker.train.batch import batch_size_of, forward, split_batch
 from stoker.train.optim import build_optimizer
 from stoker.train.precision import Precision
@@ -181,19 +182,6 @@ def supports_batched_fetch(dataset: Dataset) -> bool:
     if isinstance(dataset, Subset):
         return supports_batched_fetch(dataset.dataset)
     return hasattr(type(dataset), "__getitems__")
-
-
-class PerSampleView(Dataset):
-    """A dataset seen one sample at a time (no ``__getitems__``): forces per-sample fetch."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
