@@ -1,0 +1,486 @@
+"""Trainer overhead and end-to-end speed on the seed workload: stoker.fit vs hand-written loops.
+
+Workload: the seed module's data (10,000 × 20 float32, binary label), its MLP 20→32→2,
+Adam lr 1e-2, CrossEntropyLoss, batch 64, shuffled.
+
+Timed: every contender's model carries the same forward pre-hook, which stamps
+``perf_counter`` at each forward call. The time between two forward calls of an epoch
+is one whole training step (fetch, forward, loss, backward, optimizer and whatever
+bookkeeping the trainer does); "train time" is first to last forward, extrapolated by
+one step, so it includes epoch boundaries but not start-up (config, run dir, data
+fingerprint) or the end of the run (export, summary, report.html), which are reported
+separately as wall time. Contenders alternate round by round after a warm-up round.
+
+Overhead — the same model, initial weights, data, loader (``stoker.build_loader`` over
+the same ArrayDataset, seed 0, so the same batches in the same order) and optimizer
+(Adam, fused as stoker's ``fused: auto`` picks on CPU):
+
+- ``hand``: the seed's loop body (zero_grad, backward, step);
+- ``stoker``: ``stoker.fit`` (progress quiet, no TensorBoard, no checkpoints);
+- ``lightning``: ``lightning.Trainer.fit`` (no logger, checkpoints, progress bar or
+  model summary), skipped when lightning is not installed.
+  Target: stoker's median step time / hand's <= 1.05, and bitwise-equal final weights.
+
+End to end (5 epochs):
+
+- ``seed``: the seed's code — per-sample ``CSVWindowDataset`` through ``DataLoader``
+  (batch 64, shuffle, num_workers 0: its fastest setting, see loader.py) and the
+  default ``torch.optim.Adam``;
+- ``stoker``: ``stoker.fit(model, (features, labels), optimizer="adam", lr=1e-2)``, all
+  else stoker's defaults;
+- ``lightning``: Trainer.fit on the seed's DataLoader and optimizer;
+- ``floor``: the same model and optimizer as stoker's (fused Adam) fed pre-batched
+  tensors from a list, with no loader and no bookkeeping.
+  Targets: train time seed / stoker >= 1.6, Lightning / stoker >= 2.5; median step
+  time stoker / floor <= 1.10.
+
+    python benchmarks/trainer.py --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    Check,
+    CSVWindowDataset,
+    Result,
+    Timed,
+    add_common_arguments,
+    column,
+    compare_weights,
+    info,
+    interleaved,
+    median,
+    paired_ratio,
+    seed_model,
+    set_threads,
+    spread,
+    table,
+    target_check,
+    weights_of,
+)
+
+import stoker
+from stoker.examples.datasets import seed_tabular
+
+BATCH = 64
+LR = 1e-2
+OVERHEAD_MAX = 1.05
+SEED_SPEEDUP_MIN = 1.6
+LIGHTNING_SPEEDUP_MIN = 2.5
+FLOOR_MAX = 1.10
+
+
+def adam(fused: bool | None) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """Adam lr 1e-2; ``fused=None`` is PyTorch's default (the seed's ``Adam(lr=1e-2)``)."""
+    return lambda params: torch.optim.Adam(params, lr=LR, fused=fused)
+
+
+# ------------------------------------------------------------------ the contenders
+
+
+def hand_loop(model: nn.Module, batches: Iterable, epochs: int, make_opt) -> float:
+    """The seed's loop; returns the last loss."""
+    optimizer = make_opt(model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    loss = torch.zeros(())
+    for _ in range(epochs):
+        for xb, yb in batches:
+            logits = model(xb)
+            loss = loss_fn(logits, yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return float(loss.detach())
+
+
+def floor_loop(model: nn.Module, epoch_batches: list[list[tuple]], make_opt) -> float:
+    """Pre-batched tensors, no loader, no bookkeeping (same update as hand_loop)."""
+    optimizer = make_opt(model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    loss = torch.zeros(())
+    for batches in epoch_batches:
+        for xb, yb in batches:
+            loss = loss_fn(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return float(loss.detach())
+
+
+def stoker_fit(model: nn.Module, data: Any, epochs: int, root: Path, **options: Any) -> dict:
+    result = stoker.fit(
+        model,
+        data,
+        epochs=epochs,
+        batch_size=BATCH,
+        optimizer="adam",
+        lr=LR,
+        loss="cross_entropy",
+        seed=0,
+        progress="quiet",
+        tensorboard=False,
+        enabled=False,  # checkpoint.enabled
+        run_dir=tempfile.mkdtemp(dir=root),
+        **options,
+    )
+    steps = [r["time/step_s"] for r in result.history if "time/step_s" in r]
+    return {"loss": result.metrics.get("train/loss"), "stoker_step_s": median(steps)}
+
+
+def lightning_available() -> bool:
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def lightning_fit(model: nn.Module, loader: Iterable, epochs: int, make_opt) -> float:
+    import lightning as L
+
+    class Wrapped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.loss_fn = nn.CrossEntropyLoss()
+            self.last = torch.zeros(())
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            loss = self.loss_fn(self.model(xb), yb)
+            self.last = loss.detach()
+            return loss
+
+        def configure_optimizers(self):
+            return make_opt(self.model.parameters())
+
+    wrapped = Wrapped()
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(wrapped, train_dataloaders=loader)
+    return float(wrapped.last)
+
+
+def quiet_lightning() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+# ------------------------------------------------------------------ the two benchmarks
+
+
+def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict, list]:
+    """``lightning``: "" to include it, else why it is left out."""
+    use_lightning = not lightning
+    bench = "trainer"
+    arrays = seed_tabular()
+    steps_per_epoch = -(-len(arrays) // BATCH)
+    init = weights_of(seed_model())
+
+    def stoker_loader():
+        return stoker.build_loader(arrays, batch_size=BATCH, shuffle=True, seed=0)
+
+    contenders: dict[str, Timed] = {
+        "hand": Timed(
+            init, steps_per_epoch, lambda m: hand_loop(m, stoker_loader(), epochs, adam(True))
+        ),
+        "stoker": Timed(init, steps_per_epoch, lambda m: stoker_fit(m, arrays, epochs, root)),
+    }
+    if use_lightning:
+        contenders["lightning"] = Timed(
+            init, steps_per_epoch, lambda m: lightning_fit(m, stoker_loader(), epochs, adam(True))
+        )
+    print(f"overhead: {rounds} rounds of {epochs} epochs: {', '.join(contenders)}", flush=True)
+    records = interleaved(contenders, rounds=rounds)  # type: ignore[arg-type]
+
+    # Final weights after the same epochs: fused Adam in both, then the seed's default Adam.
+    weights: dict[str, dict[str, Any]] = {}
+    weights["stoker_vs_hand_fused"] = compare_weights(
+        contenders["hand"].last_weights, contenders["stoker"].last_weights
+    )
+    unfused = {
+        "hand": Timed(
+            init, steps_per_epoch, lambda m: hand_loop(m, stoker_loader(), epochs, adam(None))
+        ),
+        "stoker": Timed(
+            init, steps_per_epoch, lambda m: stoker_fit(m, arrays, epochs, root, fused=False)
+        ),
+    }
+    for run in unfused.values():
+        run()
+    weights["stoker_vs_hand_unfused"] = compare_weights(
+        unfused["hand"].last_weights, unfused["stoker"].last_weights
+    )
+    weights["stoker_fused_vs_unfused"] = compare_weights(
+        contenders["stoker"].last_weights, unfused["stoker"].last_weights
+    )
+    if use_lightning:
+        weights["lightning_vs_hand_fused"] = compare_weights(
+            contenders["hand"].last_weights, contenders["lightning"].last_weights
+        )
+
+    hand_steps = column(records["hand"], "step_s")
+    ratio = paired_ratio(column(records["stoker"], "step_s"), hand_steps)
+    same = weights["stoker_vs_hand_fused"]["bitwise_equal"]
+    checks: list[Check] = [
+        info(bench, "overhead: hand loop median step", median(hand_steps) * 1e6, unit="us"),
+        info(
+            bench,
+            "overhead: stoker.fit median step",
+            median(column(records["stoker"], "step_s")) * 1e6,
+            unit="us",
+        ),
+        info(
+            bench,
+            "overhead: stoker's own time/step_s",
+            median(column(records["stoker"], "stoker_step_s")) * 1e6,
+            unit="us",
+            note="stoker's PhaseTimer: fetch to optimizer, without the record at the end",
+        ),
+        target_check(bench, "overhead: stoker / hand step time", ratio, "<=", OVERHEAD_MAX),
+        info(
+            bench,
+            "overhead: stoker - hand per step",
+            (median(column(records["stoker"], "step_s")) - median(hand_steps)) * 1e6,
+            unit="us",
+            note="fixed per-step cost: a smaller share of a longer step",
+        ),
+        Check(
+            bench,
+            "overhead: final weights equal (fused Adam both)",
+            weights["stoker_vs_hand_fused"]["max_abs_diff"],
+            "bitwise",
+            same,
+            unit="max|diff|",
+        ),
+        Check(
+            bench,
+            "overhead: final weights equal (fused=False vs seed's Adam)",
+            weights["stoker_vs_hand_unfused"]["max_abs_diff"],
+            "bitwise",
+            weights["stoker_vs_hand_unfused"]["bitwise_equal"],
+            unit="max|diff|",
+        ),
+        info(
+            bench,
+            "overhead: stoker fused vs unfused Adam weights",
+            weights["stoker_fused_vs_unfused"]["max_abs_diff"],
+            unit="max|diff|",
+            note="different kernels, different rounding",
+        ),
+    ]
+    if use_lightning:
+        checks.append(
+            info(
+                bench,
+                "overhead: lightning final weights equal to hand",
+                float(weights["lightning_vs_hand_fused"]["bitwise_equal"]),
+                unit="",
+                note="1 = bitwise equal",
+            )
+        )
+        checks.append(
+            info(
+                bench,
+                "overhead: lightning / hand step time",
+                paired_ratio(column(records["lightning"], "step_s"), hand_steps),
+                unit="x",
+            )
+        )
+    else:
+        checks.append(Check(bench, "overhead: lightning / hand step time", None, status=lightning))
+    figures = {
+        "epochs": epochs,
+        "rounds": records,
+        "step_s": {k: spread(column(v, "step_s")) for k, v in records.items()},
+        "weights": weights,
+    }
+    return figures, checks
+
+
+def end_to_end(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict, list]:
+    use_lightning = not lightning
+    bench = "trainer"
+    per_sample = CSVWindowDataset()
+    features, labels = per_sample.X, per_sample.y  # the same numpy arrays, given to stoker
+    steps_per_epoch = -(-len(per_sample) // BATCH)
+    init = weights_of(seed_model())
+
+    def seed_loader() -> DataLoader:
+        return DataLoader(per_sample, batch_size=BATCH, shuffle=True)
+
+    tensors = torch.from_numpy(features), torch.from_numpy(labels)
+    generator = torch.Generator().manual_seed(0)
+
+    def floor_batches() -> list[list[tuple]]:
+        out = []
+        for _ in range(epochs):
+            order = torch.randperm(len(features), generator=generator).split(BATCH)
+            out.append([(tensors[0][i], tensors[1][i]) for i in order])
+        return out
+
+    def floor(model: nn.Module) -> float:
+        batches = floor_batches()  # built before the first forward: outside train time
+        return floor_loop(model, batches, adam(True))
+
+    contenders: dict[str, Timed] = {
+        "seed": Timed(
+            init, steps_per_epoch, lambda m: hand_loop(m, seed_loader(), epochs, adam(None))
+        ),
+        "stoker": Timed(
+            init, steps_per_epoch, lambda m: stoker_fit(m, (features, labels), epochs, root)
+        ),
+        "floor": Timed(init, steps_per_epoch, floor),
+    }
+    if use_lightning:
+        contenders["lightning"] = Timed(
+            init, steps_per_epoch, lambda m: lightning_fit(m, seed_loader(), epochs, adam(None))
+        )
+    print(f"end to end: {rounds} rounds of {epochs} epochs: {', '.join(contenders)}", flush=True)
+    records = interleaved(contenders, rounds=rounds)  # type: ignore[arg-type]
+
+    mine_train = column(records["stoker"], "train_s")
+    mine_step = column(records["stoker"], "step_s")
+    checks: list[Check] = []
+    for name, values in records.items():
+        checks.append(
+            info(
+                bench, f"e2e: {name} median step", median(column(values, "step_s")) * 1e6, unit="us"
+            )
+        )
+    checks += [
+        target_check(
+            bench,
+            "e2e: train time seed / stoker",
+            paired_ratio(column(records["seed"], "train_s"), mine_train),
+            ">=",
+            SEED_SPEEDUP_MIN,
+        ),
+        info(
+            bench,
+            "e2e: wall time seed / stoker (incl. start-up, report)",
+            paired_ratio(column(records["seed"], "wall_s"), column(records["stoker"], "wall_s")),
+            unit="x",
+        ),
+    ]
+    if use_lightning:
+        checks.append(
+            target_check(
+                bench,
+                "e2e: train time lightning / stoker",
+                paired_ratio(column(records["lightning"], "train_s"), mine_train),
+                ">=",
+                LIGHTNING_SPEEDUP_MIN,
+            )
+        )
+        checks.append(
+            info(
+                bench,
+                "e2e: lightning / seed step time",
+                paired_ratio(
+                    column(records["lightning"], "step_s"), column(records["seed"], "step_s")
+                ),
+                unit="x",
+            )
+        )
+    else:
+        checks.append(Check(bench, "e2e: train time lightning / stoker", None, status=lightning))
+    checks += [
+        target_check(
+            bench,
+            "e2e: stoker / floor step time",
+            paired_ratio(mine_step, column(records["floor"], "step_s")),
+            "<=",
+            FLOOR_MAX,
+        ),
+        info(
+            bench,
+            "e2e: stoker.fit outside the steps (start-up + end)",
+            median([r["wall_s"] - r["train_s"] for r in records["stoker"]]),
+            unit="s",
+        ),
+    ]
+    figures = {
+        "epochs": epochs,
+        "rounds": records,
+        "train_s": {k: spread(column(v, "train_s")) for k, v in records.items()},
+        "step_s": {k: spread(column(v, "step_s")) for k, v in records.items()},
+    }
+    return figures, checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--overhead-epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5, help="end-to-end epochs")
+    parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    rounds = args.rounds or 9
+    skip_lightning = ""
+    if args.no_lightning:
+        skip_lightning = "skipped"
+    elif not lightning_available():
+        skip_lightning = "not installed"
+        print("lightning is not installed: its rows say so (pip install lightning to add them)")
+    else:
+        quiet_lightning()
+
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
+        root = Path(tmp)
+        over_figures, over_checks = overhead(root, rounds, args.overhead_epochs, skip_lightning)
+        e2e_figures, e2e_checks = end_to_end(root, rounds, args.epochs, skip_lightning)
+    checks = over_checks + e2e_checks
+    print(table(checks))
+    lightning_version = None
+    if not skip_lightning:
+        import lightning
+
+        lightning_version = lightning.__version__
+    result = Result(
+        benchmark="trainer",
+        timed="per-step time = interval between consecutive forward calls within an epoch "
+        "(a forward pre-hook on every contender's model); train time = first to last "
+        "forward of the run, extrapolated by one step; wall = the whole call incl. start-up",
+        workload={
+            "data": "seed_tabular: 10,000 x 20 float32, binary label",
+            "model": "MLP 20-32-2",
+            "optimizer": "Adam lr 1e-2",
+            "batch_size": BATCH,
+            "rounds": rounds,
+            "threads": args.threads,
+            "lightning": lightning_version,
+        },
+        figures={"overhead": over_figures, "end_to_end": e2e_figures},
+        checks=checks,
+    )
+    print(f"wrote {result.write(args.out)}")
+
+
+if __name__ == "__main__":
+    main()
