@@ -169,12 +169,15 @@ class ArrayDataset(Dataset):
         Returns:
             One tensor per field, each with ``len(indices)`` rows.
         """
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.long:
+            idx = indices  # the loader's fast path hands over int64 tensors: no conversion
+        else:
+            idx = torch.as_tensor(indices, dtype=torch.long)
         # index_select beats advanced indexing (t[idx]) on CPU: measured 9.6 vs 53.6 µs
         # for 1024 of 947k rows × 64 floats, 3.7 vs 5.7 µs for 64 of 10k × 20.
         if self._on_cpu:
-            return tuple(t.index_select(0, idx) for t in self._arrays)
-        return tuple(t.index_select(0, idx.to(t.device)) for t in self._arrays)
+            return tuple([t.index_select(0, idx) for t in self._arrays])
+        return tuple([t.index_select(0, idx.to(t.device)) for t in self._arrays])
 
     def subset(self, indices: Sequence[int] | torch.Tensor) -> ArrayDataset:
         """A new ArrayDataset holding the rows at ``indices`` (gathered once, copied)."""

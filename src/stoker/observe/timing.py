@@ -18,6 +18,7 @@ import torch
 
 PHASES = ("data_wait", "transfer", "forward", "backward", "optimizer")
 _DEVICE_PHASES = PHASES[1:]
+_INDEX = {phase: index for index, phase in enumerate(PHASES)}
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class PhaseTimer:
             self._last_event = _record_event()
 
     def lap(self, phase: str) -> None:
-        index = PHASES.index(phase)
+        index = _INDEX[phase]
         if self._cuda:
             event = _record_event()
             self._events.append((index, self._last_event, event))

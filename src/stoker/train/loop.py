@@ -157,9 +157,14 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         timer.lap("forward")
         # 5. Backward. Weighting by samples (or real tokens) makes the accumulated gradient
         # that of one batch of `step_count`, also for a smaller last micro-batch or group.
-        loop.precision.backward(loss * (size / step_count))
+        # A lone micro-batch has weight 1: skip the multiply (the gradient is bitwise the same).
+        single = len(micro_batches) == 1
+        loop.precision.backward(loss if single else loss * (size / step_count))
         metrics.update(outputs, targets, loss, size)
-        step_loss += loss.detach().float() * (size / step_count)
+        if single:
+            step_loss = loss.detach().float()
+        else:
+            step_loss += loss.detach().float() * (size / step_count)
         state.micro_step += 1
         timer.lap("backward")
 
