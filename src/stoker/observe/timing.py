@@ -10,6 +10,7 @@ training thread is blocked on the loader.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,43 +44,67 @@ class PhaseTimer:
         self._cuda = device.type == "cuda"
         self._steps: list[list[float]] = []
         self._run_steps: list[list[float]] = []
+        # CPU: one perf_counter stamp per boundary, a step's start stored negated; the
+        # durations are worked out when read, so the step itself only appends floats.
+        self._stamps: list[float] = []
         self._pending: list[tuple[float, list[tuple[int, object, object]]]] = []
-        self._current = [0.0] * len(PHASES)
         self._events: list[tuple[int, object, object]] = []
-        self._last = 0.0
+        self._step_started = 0.0
+        self._data_wait = 0.0
         self._last_event: object | None = None
+        if not self._cuda:
+            self._use_cpu_calls()
+
+    def _use_cpu_calls(self) -> None:
+        """Replace the four calls by closures over the stamp list: on the CPU each call is
+        then one clock read and one append, with no branch and no attribute lookups
+        (measured: this is what keeps timing under 1% of a tiny model's step)."""
+        append, clock = self._stamps.append, time.perf_counter
+
+        def start_step() -> None:
+            append(-clock())
+
+        def stamp(phase: str = "") -> None:
+            append(clock())
+
+        self.start_step = start_step  # type: ignore[method-assign]
+        self.data_ready = stamp  # type: ignore[method-assign]
+        self.lap = stamp  # type: ignore[method-assign]
+        self.end_step = _nothing  # type: ignore[method-assign]
 
     def start_step(self) -> None:
-        self._current = [0.0] * len(PHASES)
-        self._events = []
-        self._last = time.perf_counter()
+        if self._cuda:
+            self._events = []
+            self._step_started = time.perf_counter()
+        else:
+            self._stamps.append(-time.perf_counter())
 
     def data_ready(self) -> None:
-        now = time.perf_counter()
-        self._current[0] += now - self._last
-        self._last = now
         if self._cuda:
+            self._data_wait = time.perf_counter() - self._step_started
             self._last_event = _record_event()
+        else:
+            self._stamps.append(time.perf_counter())
 
     def lap(self, phase: str) -> None:
-        index = _INDEX[phase]
+        """End ``phase``. On the CPU the order (transfer, forward, backward per micro-batch,
+        then optimizer) is the loop's, so only the time is kept."""
         if self._cuda:
             event = _record_event()
-            self._events.append((index, self._last_event, event))
+            self._events.append((_INDEX[phase], self._last_event, event))
             self._last_event = event
-            return
-        now = time.perf_counter()
-        self._current[index] += now - self._last
-        self._last = now
+        else:
+            self._stamps.append(time.perf_counter())
 
     def end_step(self) -> None:
         if self._cuda:
             # Device times are read later, when the events have surely completed.
-            self._pending.append((self._current[0], self._events))
-        else:
-            self._steps.append(self._current)
+            self._pending.append((self._data_wait, self._events))
 
     def _resolve_pending(self) -> None:
+        if self._stamps:
+            self._steps.extend(_decode_stamps(self._stamps))
+            self._stamps.clear()  # in place: the CPU closures append to this very list
         if not self._pending:
             return
         self._pending[-1][1][-1][2].synchronize()  # type: ignore[attr-defined]  # one sync per read
@@ -92,7 +117,8 @@ class PhaseTimer:
 
     @property
     def steps(self) -> int:
-        return len(self._steps) + len(self._pending)
+        self._resolve_pending()
+        return len(self._steps)
 
     def summary(self, *, whole_run: bool = False) -> dict[str, PhaseStats]:
         """Per-phase statistics over the steps since the last ``reset`` (or the whole run)."""
@@ -105,6 +131,32 @@ class PhaseTimer:
         self._resolve_pending()
         self._run_steps.extend(self._steps)
         self._steps = []
+
+
+def _nothing() -> None:
+    """end_step on the CPU: the stamps already hold the step."""
+
+
+def _decode_stamps(stamps: list[float]) -> list[list[float]]:
+    """Per-step phase durations from CPU stamps: -start, data, (transfer, forward,
+    backward) per micro-batch, optimizer. A step without its optimizer stamp (the fetch
+    that found the epoch empty) is dropped."""
+    steps: list[list[float]] = []
+    starts = [i for i, stamp in enumerate(stamps) if stamp < 0] + [len(stamps)]
+    for first, after in itertools.pairwise(starts):
+        group = stamps[first:after]
+        if len(group) < 6 or len(group) % 3:
+            continue
+        durations = [group[1] + group[0], 0.0, 0.0, 0.0, group[-1] - group[-2]]
+        previous = group[1]
+        for at in range(2, len(group) - 1, 3):
+            transfer, forward, backward = group[at : at + 3]
+            durations[1] += transfer - previous
+            durations[2] += forward - transfer
+            durations[3] += backward - forward
+            previous = backward
+        steps.append(durations)
+    return steps
 
 
 def _summarize(steps: list[list[float]]) -> dict[str, PhaseStats]:

@@ -40,11 +40,24 @@ def test_laps_add_up_over_micro_batches() -> None:
     timer = PhaseTimer(torch.device("cpu"))
     timer.start_step()
     timer.data_ready()
-    for _ in range(3):
+    for _ in range(3):  # three micro-batches, in the loop's order
+        timer.lap("transfer")
         time.sleep(0.005)
         timer.lap("forward")
+        timer.lap("backward")
+    timer.lap("optimizer")
     timer.end_step()
-    assert timer.summary()["forward"].total_s >= 0.015
+    stats = timer.summary()
+    assert stats["forward"].total_s >= 0.015
+    assert stats["backward"].total_s < 0.005 and stats["transfer"].total_s < 0.005
+
+
+def test_a_fetch_that_found_no_batch_is_not_a_step() -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, {})
+    timer.start_step()
+    timer.data_ready()  # the epoch had no batch left: no laps, no end_step
+    assert timer.steps == 1
 
 
 def test_reset_starts_an_epoch_but_the_run_keeps_all_steps() -> None:
