@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from stoker.data.memmap import normalize_indices
-from stoker.data.records import BadRecordPolicy, BadSample, FilteredBatch, bad_record
+from stoker.data.records import BadRecordPolicy, BadSample, FilteredBatch, bad_record, first_sample
 from stoker.data.tabular import as_batch, check_policy, resolve_columns
 from stoker.errors import ConfigError, DataError
 
@@ -317,10 +317,7 @@ class ParquetDataset(Dataset):
         )
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...] | BadSample:
-        batch = self.__getitems__([index])
-        if isinstance(batch, FilteredBatch):
-            return batch.bad[0]
-        return tuple(t[0] for t in batch)
+        return first_sample(self.__getitems__([index]))
 
     def __getitems__(
         self, indices: Sequence[int] | torch.Tensor

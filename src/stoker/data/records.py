@@ -121,3 +121,11 @@ class FilteredBatch:
 
     batch: object | None
     bad: list[BadSample]
+
+
+def first_sample(batch: tuple | FilteredBatch) -> tuple | BadSample:
+    """The one sample of a batched source's one-index batch: ``__getitem__`` for sources
+    that read whole batches (Parquet, CSV), with a bad record's stand-in under ``skip``."""
+    if isinstance(batch, FilteredBatch):
+        return batch.bad[0]
+    return tuple(field[0] for field in batch)

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from stoker.data.memmap import normalize_indices
-from stoker.data.records import BadRecordPolicy, BadSample, FilteredBatch, bad_record
+from stoker.data.records import BadRecordPolicy, BadSample, FilteredBatch, bad_record, first_sample
 from stoker.errors import ConfigError, DataError
 
 __all__ = ["CsvChunk", "CsvDataset", "TargetDtype", "iter_csv_chunks"]
@@ -399,10 +399,7 @@ class CsvDataset(Dataset):
         return _parse_lines(self._read(lines), (lines + 2).tolist(), self._layout, self._policy)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...] | BadSample:
-        batch = self.__getitems__([index])
-        if isinstance(batch, FilteredBatch):
-            return batch.bad[0]
-        return tuple(t[0] for t in batch)
+        return first_sample(self.__getitems__([index]))
 
     def __getitems__(
         self, indices: Sequence[int] | torch.Tensor

@@ -144,7 +144,8 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         return 0
     sizes = [_count(loop, split_batch(batch)[1]) for batch in micro_batches]
     step_count = sum(sizes)
-    step_loss = torch.zeros((), device=loop.device)
+    single = len(micro_batches) == 1
+    step_loss: torch.Tensor | None = None
 
     for batch, size in zip(micro_batches, sizes, strict=True):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
@@ -158,13 +159,10 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         # 5. Backward. Weighting by samples (or real tokens) makes the accumulated gradient
         # that of one batch of `step_count`, also for a smaller last micro-batch or group.
         # A lone micro-batch has weight 1: skip the multiply (the gradient is bitwise the same).
-        single = len(micro_batches) == 1
         loop.precision.backward(loss if single else loss * (size / step_count))
         metrics.update(outputs, targets, loss, size)
-        if single:
-            step_loss = loss.detach().float()
-        else:
-            step_loss += loss.detach().float() * (size / step_count)
+        weighted = loss.detach().float() if single else loss.detach().float() * (size / step_count)
+        step_loss = weighted if step_loss is None else step_loss + weighted
         state.micro_step += 1
         timer.lap("backward")
 
@@ -173,6 +171,7 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     loop.health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
     grad_norm = loop.clipper.clip_(loop.model.parameters())
     loop.health.observe_clip(loop.clipper.last_clipped)
+    assert step_loss is not None  # there was at least one micro-batch
     _halt_on_nonfinite(loop, step_loss, grad_norm)  # CPU–GPU sync point, once per step.
 
     # 7. Optimizer step (the scaler skips it if an fp16 gradient overflowed), clear grads.
@@ -187,7 +186,11 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
 
     # 9. Record, on the device; read only every `log_every_steps`.
     state.step += 1
-    step_samples = sum(batch_size_of(split_batch(batch)[1]) for batch in micro_batches)
+    step_samples = (
+        step_count  # already counted samples for the loss weights
+        if loop.normalize == "samples"
+        else sum(batch_size_of(split_batch(batch)[1]) for batch in micro_batches)
+    )
     state.samples_seen += step_samples
     window.loss += step_loss
     window.grad_norm += grad_norm.detach().float().to(loop.device)
