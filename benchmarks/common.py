@@ -343,3 +343,23 @@ def add_common_arguments(parser: Any) -> None:
         "thread only adds OpenMP barrier stalls to these tiny kernels)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (after warm-up)")
+
+
+class BusySamples(Dataset):
+    """An input-heavy dataset: every sample burns ``work`` iterations of pure Python, so
+    each loader process keeps one core busy (the tuner benchmark and the GPU check)."""
+
+    def __init__(self, n: int = 8192, features: int = 16, work: int = 3000) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=generator)
+        self.y = (self.x[:, 0] > 0).long()
+        self.work = work
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = index
+        for k in range(self.work):
+            acc = (acc * 31 + k) % 1_000_003
+        return self.x[index], self.y[index]

@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BusySamples
 
 MIB = 2**20
 
@@ -133,25 +135,6 @@ def copy_overlap(device: torch.device, *, steps: int = 40, batch_mib: int = 64) 
 # ------------------------------------------------------------------ 3. data stall
 
 
-class BusySamples(Dataset):
-    """An input-heavy dataset: every sample does ``work`` iterations of pure Python."""
-
-    def __init__(self, n: int = 16384, features: int = 32, work: int = 3000) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, features, generator=generator)
-        self.y = (self.x[:, 0] > 0).long()
-        self.work = work
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = index
-        for k in range(self.work):
-            acc = (acc * 31 + k) % 1_000_003
-        return self.x[index], self.y[index]
-
-
 def small_mlp(features: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 2))
@@ -164,7 +147,7 @@ def data_stall(device: torch.device, *, steps: int, budget_s: float, work: int) 
     from stoker.observe.tune import tune
     from stoker.train.session import UserComponents
 
-    data = BusySamples(work=work)
+    data = BusySamples(n=16384, features=32, work=work)
     options: dict[str, Any] = {
         "device": str(device),
         "epochs": 1,

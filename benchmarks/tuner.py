@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,24 +41,8 @@ from stoker.observe.stages import usable_cores
 from stoker.observe.tune import Candidate, LoaderMeasure, search_space, successive_halving
 from stoker.train.session import build_pipeline
 
-
-class BusySamples(Dataset):
-    """Each sample burns ``work`` iterations of pure Python (one core per process)."""
-
-    def __init__(self, n: int = 8192, features: int = 16, work: int = 3000) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, features, generator=generator)
-        self.y = (self.x[:, 0] > 0).long()
-        self.work = work
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = index
-        for k in range(self.work):
-            acc = (acc * 31 + k) % 1_000_003
-        return self.x[index], self.y[index]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BusySamples
 
 
 def busy_samples(n: int = 8192, features: int = 16, work: int = 3000) -> Dataset:
