@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -21,7 +20,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from stoker.data.bucketing import LengthBucketBatchSampler
-from stoker.data.collate import default_collate, passthrough
+from stoker.data.collate import passthrough
 from stoker.data.loader_checks import (
     SamplerName,
     option_problems,
@@ -29,18 +28,34 @@ from stoker.data.loader_checks import (
     resolve_pin_memory,
     resolve_sampler,
 )
-from stoker.data.records import BadRecordLog, BadSample, FilteredBatch
+from stoker.data.loader_collate import (
+    OrderedBatch,
+    PerSampleView,
+    batch_size_of,
+    skip_bad_collate,
+)
+from stoker.data.loader_fast import (
+    ArrayGather,
+    epoch_rows,
+    in_memory_arrays,
+    in_process_note,
+    say_once,
+)
+from stoker.data.records import BadRecordLog, FilteredBatch
 from stoker.data.samplers import (
     BlockShuffleSampler,
     EpochRandomSampler,
     EpochWeightedSampler,
     balanced_weights,
     epoch_seed,
+    rank_and_world_size,
 )
 from stoker.data.sources import ArrayDataset, dataset_targets
-from stoker.errors import ConfigError, DataError
+from stoker.data.worker_faults import NamedFetch, sample_error
+from stoker.data.worker_watch import DEFAULT_TIMEOUT_S, WorkerInit, WorkerWatch, poll_interval
+from stoker.errors import ConfigError, DataError, StokerError
 
-__all__ = ["EpochLoader", "SamplerName", "build_loader", "skip_bad_collate"]
+__all__ = ["EpochLoader", "PerSampleView", "SamplerName", "build_loader", "skip_bad_collate"]
 
 # Separates the worker-seed stream from the sampler's permutation stream of one epoch.
 _WORKER_STREAM = 1
@@ -51,96 +66,6 @@ def _returns_batches(dataset: Dataset) -> bool:
     if isinstance(dataset, Subset):
         return _returns_batches(dataset.dataset)
     return bool(getattr(dataset, "returns_batches", False)) and hasattr(dataset, "__getitems__")
-
-
-class PerSampleView(Dataset):
-    """A dataset seen one sample at a time (no ``__getitems__``): for a user collate_fn,
-    and for the doctor and tuner, which measure per-sample fetch against batched."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-
-@dataclass(frozen=True)
-class _OrderedBatch(FilteredBatch):
-    """A FilteredBatch that keeps the order of its records, so runs of bad ones count exactly.
-
-    ``runs`` holds ``(bad, good)`` counts in batch order: ``((2, 5), (1, 0))`` is two bad
-    records, five good ones, then one bad one.
-    """
-
-    runs: tuple[tuple[int, int], ...] = ()
-
-
-class _SkipBadCollate:
-    """Collate only the good samples; report the bad ones (see :func:`skip_bad_collate`)."""
-
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
-        self.collate_fn = collate_fn
-
-    def __call__(self, samples: list[Any]) -> Any:
-        # One type check per sample; this path already does Python work per sample.
-        if not any(isinstance(sample, BadSample) for sample in samples):
-            return self.collate_fn(samples)
-        good: list[Any] = []
-        bad: list[BadSample] = []
-        runs: list[tuple[int, int]] = []
-        bad_run = good_run = 0
-        for sample in samples:
-            if isinstance(sample, BadSample):
-                if good_run:
-                    runs.append((bad_run, good_run))
-                    bad_run = good_run = 0
-                bad.append(sample)
-                bad_run += 1
-            else:
-                good.append(sample)
-                good_run += 1
-        runs.append((bad_run, good_run))
-        return _OrderedBatch(self.collate_fn(good) if good else None, bad, runs=tuple(runs))
-
-    def __repr__(self) -> str:
-        return f"skip_bad_collate({self.collate_fn!r})"
-
-
-def skip_bad_collate(
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-) -> Callable[[list[Any]], Any]:
-    """Wrap a collate function so samples that are :class:`BadSample` never reach it.
-
-    Sources under ``bad_records="skip"`` return a ``BadSample`` in place of a record they
-    cannot read. The wrapped function collates the other samples with ``collate_fn`` and,
-    when any were bad, returns ``FilteredBatch(batch, bad)`` (``batch`` is None when every
-    sample was bad); :class:`EpochLoader` unwraps it. ``build_loader`` applies it to every
-    per-sample collate function, yours included.
-
-    Args:
-        collate_fn: The collate function for the good samples (default: ``default_collate``).
-
-    Returns:
-        A picklable collate function, as cheap as ``collate_fn`` when nothing is bad.
-    """
-    if isinstance(collate_fn, _SkipBadCollate):
-        return collate_fn
-    return _SkipBadCollate(collate_fn if collate_fn is not None else default_collate)
-
-
-def _batch_size(batch: Any) -> int:
-    """Samples in a collated batch, as far as its first field tells (at least 1)."""
-    size = 1
-    while isinstance(batch, tuple | list | dict) and batch:
-        # A list of strings is itself a batch of texts; a list of tensors is a batch's fields.
-        size = len(batch)
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
-        return int(batch.shape[0])
-    return size
 
 
 class EpochLoader:
@@ -158,9 +83,15 @@ class EpochLoader:
     loader hands them to :attr:`bad_records`, drops batches with no good record left and
     yields plain batches only, so the training loop never sees either type.
 
+    With worker processes, a worker that dies, hangs past ``timeout_s`` or fails is
+    reported as a DataError naming it, and the workers are shut down first (see
+    :mod:`stoker.data.worker_watch`).
+
     Attributes:
         bad_records: Counts, writes and limits skipped records; count-only by default.
             Set it to ``BadRecordLog(run_dir / "bad_records.jsonl", ...)`` to keep them.
+        note: A line for people about how batches are served, e.g. that in-memory data
+            is served in-process and ``num_workers`` ignored; None when nothing to say.
     """
 
     def __init__(
@@ -171,6 +102,7 @@ class EpochLoader:
         epoch: int = 0,
         dataset: Dataset | None = None,
         returns_batches: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         """Wrap ``dataloader``.
 
@@ -180,9 +112,20 @@ class EpochLoader:
             epoch: The epoch of the first pass.
             dataset: The dataset as the user sees it; defaults to ``dataloader.dataset``.
             returns_batches: Whether the dataset fetches whole batches (reported only).
+            timeout_s: With workers: a worker that delivers no batch for this long is an
+                error (0: wait forever); defaults to the DataLoader's ``timeout``.
         """
         self.dataloader = dataloader
-        self.dataset = dataset if dataset is not None else dataloader.dataset
+        fetched = dataloader.dataset
+        # What the DataLoader reads, without the wrapper that names failing samples.
+        self._fetched = fetched.dataset if isinstance(fetched, NamedFetch) else fetched
+        self.dataset = dataset if dataset is not None else self._fetched
+        self.timeout_s = float(dataloader.timeout if timeout_s is None else timeout_s)
+        self._watch = (
+            WorkerWatch(dataloader, timeout_s=self.timeout_s, dataset=self.dataset)
+            if dataloader.num_workers > 0
+            else None
+        )
         self.batch_size = dataloader.batch_size
         self.seed = int(seed)
         self.returns_batches = returns_batches
@@ -194,6 +137,14 @@ class EpochLoader:
             and dataloader.collate_fn is passthrough
             and type(dataloader.batch_sampler) is BatchSampler
         )
+        # Plain in-memory arrays: batches gathered by blocks (see loader_fast).
+        arrays = in_memory_arrays(self._fetched) if self._direct else None
+        self._gather = (
+            ArrayGather(arrays, batch_size=self.batch_size, pin=dataloader.pin_memory)
+            if arrays is not None and self.batch_size is not None
+            else None
+        )
+        self.note: str | None = None
         self.bad_records = BadRecordLog(None)
         self.epoch = 0
         #: Batches handed out in the current epoch's pass (0 before it starts).
@@ -225,15 +176,44 @@ class EpochLoader:
                 set_part_epoch(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass over the data (resumed after the delivered batches, after a resume)."""
+        return self._gathered_pass() if self._gather is not None else self._pass()
+
+    def _begin_pass(self) -> int:
+        """Seed this pass's workers; returns the batches a resume skips (taken once)."""
         generator = self.dataloader.generator
         if generator is not None:
             # Worker base seeds are drawn from this generator when the iterator is built.
             generator.manual_seed(epoch_seed(self.seed, self.epoch, stream=_WORKER_STREAM))
-        batches = self._direct_batches() if self._direct else self.dataloader
+        skip, self._skip = self._skip, 0
+        return skip
+
+    def _gathered_pass(self) -> Iterator[Any]:
+        """In-memory arrays: the batches of the in-process DataLoader, gathered by blocks.
+
+        Gathering is pure (no state, no randomness, no bad records), so a resumed pass
+        starts at its first undelivered batch without reading the ones before it.
+        """
+        skip, self._skip = self._skip, 0  # no workers to seed
+        rows = epoch_rows(self.dataloader.batch_sampler)  # type: ignore[arg-type]
+        if skip:
+            rows = rows[skip * self._gather.batch_size :]  # type: ignore[union-attr]
+        for batch in self._gather.batches(rows):  # type: ignore[union-attr]
+            self.batches_delivered += 1
+            yield batch
+        self.set_epoch(self.epoch + 1)
+
+    def _pass(self) -> Iterator[Any]:
+        skip = self._begin_pass()
+        if self._direct:
+            batches = self._direct_batches()
+        elif self._watch is not None:
+            batches = self._watch.batches()
+        else:
+            batches = self.dataloader
         # Resuming mid-epoch: replay the pass and drop the batches already trained on.
         # Every order and seed here is a function of (seed, epoch), so the replay is
         # exact for any sampler, stream or worker count; it costs reading those batches.
-        skip, self._skip = self._skip, 0
         replayed = 0
         log = self.bad_records
         # Skipped records of replayed batches were logged before the restart.
@@ -245,7 +225,7 @@ class EpochLoader:
                 if batch is None:
                     continue
             elif log.consecutive and not replaying:
-                log.record_good(_batch_size(batch))
+                log.record_good(batch_size_of(batch))
             if replaying:
                 replayed += 1
                 continue
@@ -256,7 +236,7 @@ class EpochLoader:
     def _unwrap(self, filtered: FilteredBatch, *, log: BadRecordLog) -> Any:
         """Log the skipped records of ``filtered``; its good part (None when none is left)."""
         batch = filtered.batch
-        if isinstance(filtered, _OrderedBatch):
+        if isinstance(filtered, OrderedBatch):
             start = 0
             for bad, good in filtered.runs:
                 log.record_bad(filtered.bad[start : start + bad])
@@ -266,7 +246,7 @@ class EpochLoader:
             # A batched source keeps no order: count its bad records before its good ones.
             log.record_bad(filtered.bad)
             if batch is not None:
-                log.record_good(_batch_size(batch))
+                log.record_good(batch_size_of(batch))
         # PyTorch's pinning passes a FilteredBatch through untouched; pin what is left.
         if batch is not None and self.dataloader.pin_memory:
             batch = pin_memory(batch)
@@ -276,18 +256,20 @@ class EpochLoader:
         """The batches the single-process DataLoader would yield, fetched with less overhead."""
         batch_sampler = self.dataloader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
-        size = batch_sampler.batch_size
-        chunks = _sampler_indices(batch_sampler.sampler).split(size)
         # As BatchSampler: a short last batch only without drop_last, and never an empty one.
-        if chunks and len(chunks[-1]) < (size if batch_sampler.drop_last else 1):
-            chunks = chunks[:-1]
-        dataset = self.dataloader.dataset
+        chunks = [c for c in epoch_rows(batch_sampler).split(batch_sampler.batch_size) if len(c)]
+        dataset = self._fetched
         fetch = dataset.__getitems__  # type: ignore[attr-defined]
         # ArrayDataset takes index tensors; other datasets get the list[int] PyTorch passes.
         as_list = not isinstance(dataset, ArrayDataset)
         pin = self.dataloader.pin_memory
         for idx in chunks:
-            batch = fetch(idx.tolist() if as_list else idx)
+            try:
+                batch = fetch(idx.tolist() if as_list else idx)
+            except StokerError:
+                raise
+            except Exception as error:
+                raise sample_error(error, dataset, idx, batched=True) from error
             yield pin_memory(batch) if pin else batch
 
     def __len__(self) -> int:
@@ -320,15 +302,6 @@ class EpochLoader:
             f"EpochLoader(dataset={type(self.dataset).__name__}, batch_size={self.batch_size}, "
             f"epoch={self.epoch}, returns_batches={self.returns_batches})"
         )
-
-
-def _sampler_indices(sampler: Sampler | Iterable[int]) -> torch.Tensor:
-    """One epoch of a sampler's indices as an int64 tensor."""
-    if isinstance(sampler, EpochRandomSampler | EpochWeightedSampler):
-        return sampler.indices()
-    if isinstance(sampler, SequentialSampler):
-        return torch.arange(len(sampler))
-    return torch.as_tensor(list(sampler), dtype=torch.long)
 
 
 def _dataset_length(dataset: Dataset) -> int:
@@ -405,6 +378,8 @@ def build_loader(
     seed: int = 0,
     device: str | torch.device | None = None,
     bucket_size_multiplier: int = 50,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    split_across_ranks: bool = True,
 ) -> EpochLoader:
     """Build a DataLoader with stoker's fast paths, wrapped in an :class:`EpochLoader`.
 
@@ -423,7 +398,9 @@ def build_loader(
         weights: Per-sample weights for the weighted sampler, or ``"balanced"`` to
             weight each sample by ``1 / count(its class)``.
         num_samples: Draws per epoch for the weighted sampler (default: dataset length).
-        num_workers: Worker processes; 0 loads in the main process.
+        num_workers: Worker processes; 0 loads in the main process. Ignored for an
+            ``ArrayDataset`` (in memory, no collate_fn of yours): its batches are served
+            in-process, faster than any worker could, and ``loader.note`` says so.
         pin_memory: Pin batches for faster copies to the GPU; ``auto`` pins when CUDA is
             available and ``device`` (if given) is a CUDA device.
         persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
@@ -433,6 +410,10 @@ def build_loader(
         seed: Base seed of shuffling, weighted draws and worker seeds.
         device: The training device, used to decide ``pin_memory="auto"``.
         bucket_size_multiplier: With ``bucket``: a bucket holds this many batches.
+        timeout_s: With workers: a worker that delivers no batch for this long is an
+            error that shows its stack; 0 waits forever.
+        split_across_ranks: Under torch.distributed, give each rank its share (also
+            without shuffling). False for data already cut per rank (validation).
 
     Returns:
         The loader.
@@ -440,7 +421,9 @@ def build_loader(
     Raises:
         ConfigError: Invalid or conflicting options, all listed, each by its ``loader.*`` key.
         DataError: An empty dataset, a map-style dataset without ``__len__``, or
-            ``weights="balanced"`` for a dataset whose labels are unknown.
+            ``weights="balanced"`` for a dataset whose labels are unknown. While
+            iterating: a failing sample (:class:`~stoker.data.worker_faults.SampleError`,
+            naming its index), or a dead, hung or failing worker, named.
     """
     problems = option_problems(
         batch_size=batch_size,
@@ -450,6 +433,7 @@ def build_loader(
         persistent_workers=persistent_workers,
         pin_memory=pin_memory,
         sampler=sampler,
+        timeout_s=timeout_s,
     )
     resolved = resolve_sampler(
         sampler,
@@ -467,15 +451,22 @@ def build_loader(
     length = 0 if streaming else _dataset_length(dataset)
 
     batched = not streaming and _returns_batches(dataset)
-    fetched: Dataset = dataset
     if batched and collate_fn is None:
         collate_fn = passthrough
     else:
-        if batched:
-            # A user collate_fn expects a list of samples, as PyTorch gives it.
-            fetched, batched = PerSampleView(dataset), False
+        # A user collate_fn expects a list of samples, as PyTorch gives it.
+        batched = False
         # Samples may be BadSample stand-ins (bad_records="skip"); never collate those.
         collate_fn = skip_bad_collate(collate_fn)
+    # Read through a wrapper, so that an exception names the sample (and worker).
+    fetched: Dataset = dataset if streaming else NamedFetch(dataset, batched=batched)
+    note = None
+    if num_workers > 0 and batched and in_memory_arrays(dataset) is not None:
+        # A batch of in-memory arrays is one gather away: workers would only pickle and
+        # copy it between processes (measured 50-300x slower than gathering in-process).
+        note = in_process_note(num_workers)
+        say_once(note, key="in-process")
+        num_workers = 0
 
     index_sampler: Sampler | None = None
     if resolved == "random" and callable(getattr(dataset, "row_group_offsets", None)):
@@ -485,6 +476,9 @@ def build_loader(
         index_sampler = EpochRandomSampler(length, seed=seed)
     elif resolved == "weighted":
         index_sampler = _weighted_sampler(dataset, weights, num_samples=num_samples, seed=seed)
+    elif not streaming and split_across_ranks and rank_and_world_size()[1] > 1:
+        # In order, but split across the ranks (else every rank would read everything).
+        index_sampler = EpochRandomSampler(length, seed=seed, shuffle=False)
     elif not streaming:
         index_sampler = SequentialSampler(fetched)  # type: ignore[arg-type]
 
@@ -493,6 +487,9 @@ def build_loader(
         worker_options["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_options["prefetch_factor"] = prefetch_factor
+        # Short: the EpochLoader's watch polls, checks workers and enforces timeout_s.
+        worker_options["timeout"] = poll_interval(timeout_s)
+        worker_options["worker_init_fn"] = WorkerInit()
 
     if resolved == "bucket":
         batching: dict[str, Any] = {
@@ -518,4 +515,8 @@ def build_loader(
         generator=torch.Generator(),
         **worker_options,
     )
-    return EpochLoader(dataloader, seed=seed, dataset=dataset, returns_batches=batched)
+    loader = EpochLoader(
+        dataloader, seed=seed, dataset=dataset, returns_batches=batched, timeout_s=timeout_s
+    )
+    loader.note = note
+    return loader

@@ -41,6 +41,16 @@ def _int_problem(name: str, value: Any, minimum: int) -> Problem | None:
     return None
 
 
+def _seconds_problem(name: str, value: Any) -> Problem | None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not value >= 0 or value == float("inf"):
+        return Problem(
+            f"loader.{name} must be a number of seconds >= 0 (0: no limit); got {value!r}.",
+            f"set loader.{name} to a number of seconds, e.g. 300",
+        )
+    return None
+
+
 def option_problems(
     *,
     batch_size: Any,
@@ -50,6 +60,7 @@ def option_problems(
     persistent_workers: bool,
     pin_memory: Any,
     sampler: Any,
+    timeout_s: Any = 0.0,
 ) -> list[Problem]:
     """Problems with the options that do not depend on the dataset."""
     checks = [
@@ -57,6 +68,7 @@ def option_problems(
         _int_problem("num_workers", num_workers, 0),
         None if num_samples is None else _int_problem("num_samples", num_samples, 1),
         None if prefetch_factor is None else _int_problem("prefetch_factor", prefetch_factor, 1),
+        _seconds_problem("timeout_s", timeout_s),
     ]
     no_workers = not isinstance(num_workers, int) or num_workers <= 0
     rules = [
