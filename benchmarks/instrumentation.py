@@ -5,15 +5,19 @@ step (``start_step``, ``data_ready``, four ``lap``s, ``end_step``) plus the epoc
 ``summary``/``reset`` spread over its steps. Measured two ways, both against the
 seed workload's step (MLP 20→32→2, fused Adam, batch 64, pre-batched tensors):
 
-- in the loop: the bare training loop, every other step making those calls; the
-  figure is the median timed step (plus the summary's share) over the median untimed
-  step, minus 1 (target: < 1% of step time);
+- in the loop: the bare training loop, every other step making those calls (odd
+  steps in one epoch, even ones in the next); per repeat, the median timed step over
+  the median untimed step, minus 1; the figure is the median over the repeats, plus
+  the epoch summary's cost spread over an epoch's steps (target: < 1% of step time).
+  The same with calls that do nothing is the control: it reads the method's noise
+  (and the bare cost of seven calls). The spread over the repeats is in the note;
 - alone: the same calls in a tight loop, in µs per step (a lower bound: in the loop
-  caches are colder).
+  caches are colder, and each of the six clock reads costs several times more).
 
-The other per-step bookkeeping of ``stoker.train.loop.train_step`` — total gradient
-norm, non-finite check, running metrics, the lr scheduler, loss weighting — is timed
-alone, per call, for the record (``prototypes.py`` measures removing each in the loop).
+The other per-step bookkeeping of ``stoker.train.loop.train_step`` — the non-finite
+check, running metrics, the lr scheduler, the step loss — is timed alone, per call, for
+the record; so is the total gradient norm, which the loop measures only on the first
+step of each ``log_every_steps`` window (or every step when clipping by norm).
 
     python benchmarks/instrumentation.py --out bench-out
 """
@@ -43,11 +47,11 @@ from common import (
 )
 
 from stoker.config import OptimConfig, ScheduleConfig
-from stoker.data.device import move_to_device
 from stoker.examples.datasets import seed_tabular
 from stoker.observe.timing import PHASES, PhaseTimer
 from stoker.train.grads import GradClipper
 from stoker.train.metrics import TaskMetrics
+from stoker.train.numerics import FiniteCheck
 from stoker.train.optim import build_optimizer, build_scheduler
 
 TIMING_MAX_PCT = 1.0
@@ -93,8 +97,9 @@ def alternating_epochs(
     """The bare loop over pre-batched tensors, its steps alternately timed and not.
 
     Every other step makes the PhaseTimer calls, so a burst of load from elsewhere
-    on the machine falls on both kinds alike. Returns the step times (one step =
-    stamp to stamp) of the timed and of the untimed steps.
+    on the machine falls on both kinds alike; which of the two is timed flips from
+    epoch to epoch, so neither kind is always the one after the other. Returns the
+    step times (one step = stamp to stamp) of the timed and of the untimed steps.
     """
     arrays = seed_tabular()
     features, labels = arrays.arrays
@@ -106,13 +111,13 @@ def alternating_epochs(
     clock = time.perf_counter
     timed: list[float] = []
     untimed: list[float] = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
         order = torch.randperm(len(features), generator=generator).split(BATCH)
         batches = [(features[i], labels[i]) for i in order]
         timer.reset()
         last = clock()
         for index, (xb, yb) in enumerate(batches):
-            on = index % 2 == 0
+            on = index % 2 == epoch % 2
             if on:
                 timer.start_step()
                 timer.data_ready()
@@ -135,6 +140,36 @@ def alternating_epochs(
     return timed, untimed
 
 
+def in_loop_pcts(repeats: int, epochs: int) -> dict[str, list[float]]:
+    """Per repeat, the timed steps' median over the untimed steps', minus 1, in %: for
+    the PhaseTimer ("timer") and for the no-op control ("control"), run by turns; and
+    the untimed steps' median, in s ("step_s")."""
+    pcts: dict[str, list[float]] = {"timer": [], "control": [], "step_s": []}
+    alternating_epochs(1)  # warm-up
+    for repeat in range(repeats):
+        kinds = [("timer", PhaseTimer), ("control", NullTimer)]
+        for name, timer_class in kinds if repeat % 2 == 0 else kinds[::-1]:
+            timed, untimed = alternating_epochs(epochs, timer_class)
+            pcts[name].append((median(timed) / median(untimed) - 1) * 100)
+            pcts["step_s"].append(median(untimed))
+    return pcts
+
+
+def summary_us_per_step(steps: int, repeat: int = 9) -> float:
+    """What train_epoch's one ``summary`` (and ``reset``) costs per step of an epoch of
+    ``steps`` steps: the stamps are decoded and summarized there, not in the steps."""
+    costs = []
+    for _ in range(repeat + 1):
+        timer = PhaseTimer(torch.device("cpu"))
+        for _ in range(steps):
+            timed_phases(timer)
+        started = time.perf_counter()
+        timer.summary()
+        timer.reset()
+        costs.append((time.perf_counter() - started) * 1e6 / steps)
+    return median(costs[1:])  # the first pays numpy's first calls
+
+
 def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -> float:
     fn()
     return median([timeit.timeit(fn, number=number) / number * 1e6 for _ in range(repeat)])
@@ -155,31 +190,23 @@ def bookkeeping_costs() -> dict[str, float]:
     optimizer.step()  # an optimizer step before the scheduler's, as in the loop
     clipper = GradClipper()
     metrics = TaskMetrics("classification")
-    norm = clipper.clip_(model.parameters())
-    step_loss = torch.zeros(())
+    params = list(model.parameters())
+    check = FiniteCheck(params)
+    step_loss = loss.detach().float()
+    window_loss = torch.zeros(())
 
-    def finite_check() -> None:  # as stoker.train.loop._halt_on_nonfinite reads it
-        torch.isfinite(torch.stack([step_loss, norm.float()])).tolist()
+    def grad_norm() -> None:  # on a window's first step (every step when clipping by norm)
+        clipper.measure([p.grad for p in params if p.grad is not None], wanted=True)
 
-    def loss_weighting() -> None:  # zeros, loss * (size / count), the step-loss sum
-        total = torch.zeros((), device=device)
-        loss * 1.0
-        total += loss.detach().float() * 1.0
-
-    window_loss, window_norm = torch.zeros(()), torch.zeros(())
-
-    def window() -> None:
-        window_loss.add_(step_loss)
-        window_norm.add_(norm.detach().float().to(device))
+    def step_loss_and_window() -> None:  # the step's loss, added to the window's sum
+        window_loss.add_(loss.detach().float())
 
     pieces: dict[str, Callable[[], object]] = {
-        "grad norm (GradClipper.clip_, no clipping)": lambda: clipper.clip_(model.parameters()),
-        "non-finite check (stack + isfinite + tolist)": finite_check,
+        "non-finite check (FiniteCheck: loss + every gradient, one read)": lambda: check(step_loss),
         "TaskMetrics.update": lambda: metrics.update(outputs, yb, loss, BATCH),
-        "LambdaLR.step (constant schedule)": scheduler.step,
-        "loss weighting + step loss": loss_weighting,
-        "window sums": window,
-        "move_to_device (CPU to CPU)": lambda: move_to_device((xb, yb), device),
+        "ConstantLR.step (constant schedule)": scheduler.step,
+        "step loss + window sum": step_loss_and_window,
+        "grad norm (GradClipper.measure; 1 step in log_every_steps)": grad_norm,
     }
     return {name: per_call_us(fn) for name, fn in pieces.items()}
 
@@ -191,25 +218,28 @@ def main() -> None:
     set_threads(args.threads)
     bench = "instrumentation"
 
-    epochs = args.rounds or 30
-    print(f"phase timer in the loop: {epochs} epochs, every other step timed", flush=True)
-    alternating_epochs(1)  # warm-up
-    timed, untimed = alternating_epochs(epochs)
-    step_s = median(untimed)
-    # Control: the same alternation with calls that do nothing should read about 0.
-    null_timed, null_untimed = alternating_epochs(epochs, NullTimer)
-    control_pct = (median(null_timed) / median(null_untimed) - 1) * 100
+    repeats = args.rounds or 7
+    epochs = 8
+    print(
+        f"phase timer in the loop: {repeats} repeats of {epochs} epochs, every other step "
+        "timed, and the no-op control",
+        flush=True,
+    )
+    pcts = in_loop_pcts(repeats, epochs)
+    step_s = median(pcts["step_s"])
+    steps_per_epoch = -(-len(seed_tabular()) // BATCH)
+    summary_us = summary_us_per_step(steps_per_epoch)
+    summary_pct = summary_us / (step_s * 1e6) * 100
+    in_loop_pct = median(pcts["timer"]) + summary_pct
+    control_pct = median(pcts["control"])
 
     timer = PhaseTimer(torch.device("cpu"))
-    calls_us = per_call_us(lambda: timed_phases(timer), number=157)
-    started = time.perf_counter()
-    timer.summary()  # one epoch's worth of steps queued above, many times over
-    summary_us = (time.perf_counter() - started) * 1e6 / max(timer.steps, 1)
-    timer.reset()
+    calls_us = per_call_us(lambda: timed_phases(timer), number=steps_per_epoch)
     alone_us = calls_us + summary_us
 
-    # The epoch summary is read once per epoch: spread over its steps, like the calls.
-    in_loop_pct = ((median(timed) + summary_us * 1e-6) / step_s - 1) * 100
+    def spread(values: list[float]) -> str:
+        return f"{min(values):+.2f}% to {max(values):+.2f}%"
+
     checks = [
         info(bench, "seed step without timing (bare loop)", step_s * 1e6, unit="us"),
         target_check(
@@ -219,27 +249,29 @@ def main() -> None:
             "<",
             TIMING_MAX_PCT,
             unit="%",
-            note=f"median timed step {median(timed) * 1e6:.1f} us vs untimed "
-            f"{step_s * 1e6:.1f} us, {len(timed)} + {len(untimed)} steps",
+            note=f"median of {repeats} repeats ({spread(pcts['timer'])}) + the epoch "
+            f"summary {summary_pct:.2f}%",
         ),
         info(
             bench,
             "control: the same with no-op timer calls, % of step",
             control_pct,
             unit="%",
-            note="what the method reads when nothing is timed (7 empty calls)",
+            note=f"the method's noise and 7 empty calls ({spread(pcts['control'])})",
         ),
+        info(bench, "epoch summary per step (decode + statistics)", summary_us, unit="us"),
         info(bench, "phase timing alone per step", alone_us, unit="us"),
         info(bench, "phase timing alone, % of step", alone_us / (step_s * 1e6) * 100, unit="%"),
     ]
     costs = bookkeeping_costs()
     for name, us in costs.items():
         checks.append(info(bench, f"alone: {name}", us, unit="us"))
+    every_step = sum(us for name, us in costs.items() if not name.startswith("grad norm"))
     checks.append(
         info(
             bench,
-            "alone: all other bookkeeping, % of step",
-            sum(costs.values()) / (step_s * 1e6) * 100,
+            "alone: other bookkeeping of every step, % of step",
+            every_step / (step_s * 1e6) * 100,
             unit="%",
         )
     )
@@ -247,13 +279,20 @@ def main() -> None:
     result = Result(
         benchmark="instrumentation",
         timed="in the loop: median step time (stamp to stamp) of the bare seed loop's "
-        "steps with and without the PhaseTimer calls, alternating step by step, plus the "
-        "epoch summary per step; alone: timeit of the calls, µs per step",
-        workload={"phases": list(PHASES), "epochs": epochs, "threads": args.threads},
+        "steps with and without the PhaseTimer calls, alternating step by step, median "
+        "over repeats, plus the epoch summary per step; alone: timeit of the calls, µs "
+        "per step",
+        workload={
+            "phases": list(PHASES),
+            "repeats": repeats,
+            "epochs": epochs,
+            "threads": args.threads,
+        },
         figures={
-            "timed_step_s": {"median": median(timed), "n": len(timed)},
-            "untimed_step_s": {"median": step_s, "n": len(untimed)},
-            "control_pct": control_pct,
+            "in_loop_pct": pcts["timer"],
+            "control_pct": pcts["control"],
+            "summary_pct": summary_pct,
+            "untimed_step_s": pcts["step_s"],
             "timer_calls_us": calls_us,
             "timer_summary_us_per_step": summary_us,
             "bookkeeping_us": costs,

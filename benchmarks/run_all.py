@@ -159,7 +159,6 @@ def plan(quick: bool) -> dict[str, Plan]:
             240,
             {"OMP_NUM_THREADS": "1"},
         ),
-        "prototypes": ("prototypes.py", common, "prototypes.json", own_checks, 180, {}),
     }
 
 
@@ -217,12 +216,7 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads for the CPU benchmarks"
     )
-    parser.add_argument("--only", help="comma-separated benchmarks (default: all but prototypes)")
-    parser.add_argument(
-        "--prototypes",
-        action="store_true",
-        help="also measure the proposed changes (prototypes.py; info only)",
-    )
+    parser.add_argument("--only", help="comma-separated benchmarks (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller memory and tuner runs")
     parser.add_argument(
         "--table",
@@ -237,7 +231,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     entries = plan(args.quick)
-    names = [n for n in entries if n != "prototypes" or args.prototypes]
+    names = list(entries)
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
         unknown = [n for n in names if n not in entries]

@@ -26,12 +26,13 @@ Record = Mapping[str, Any]
 Point = tuple[float, float | None]
 
 # The loop's per-step phases, in step order; their per-epoch totals stack into one bar.
-# (The names of stoker.observe.timing.PHASES; repeated so that a report never imports torch.)
-PHASES = ("data_wait", "transfer", "forward", "backward", "optimizer")
+# (The names of stoker.observe.timing.PHASES, with ``communication``, recorded only by
+# distributed runs; repeated so that a report never imports torch.)
+PHASES = ("data_wait", "communication", "transfer", "forward", "backward", "optimizer")
 INDEX_KEYS = frozenset({"step", "epoch", "nonfinite"})
 _SPLIT_COLORS = {"train": "#1f77b4", "val": "#ff7f0e"}
 _OTHER_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
-_PHASE_COLORS = ("#d62728", "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd")
+_PHASE_COLORS = ("#d62728", "#8c564b", "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd")
 _REST_COLOR = "#bbbbbb"
 _X_LABEL = "optimizer step (steps)"
 

@@ -39,7 +39,7 @@ class SystemMonitor:
         self._last_wall, self._last_cpu = now, cpu
         record: dict[str, Any] = {
             "system/cpu_pct": 100.0 * main_cpu / wall,
-            "system/workers_cpu_pct": self._workers_cpu_pct(wall),
+            "system/workers_cpu_pct": self._workers_cpu_pct(wall, scan=num_workers > 0),
             "system/rss_mib": self._process.memory_info().rss / 2**20,
             "system/peak_rss_mib": peak_rss_mib(),
             "system/cpu_count": psutil.cpu_count() or 0,
@@ -49,21 +49,25 @@ class SystemMonitor:
             record.update(self._gpu())
         return record
 
-    def _workers_cpu_pct(self, wall: float) -> float:
+    def _workers_cpu_pct(self, wall: float, *, scan: bool) -> float:
         """CPU of child processes (DataLoader workers) over the last interval.
 
         Cumulative worker CPU = live children's CPU time + that of children already
         ended and reaped (which the OS adds to ours); its change per wall second
         counts every worker once, whether workers persist across epochs or not.
+        Without workers the live children are not listed (``scan`` False): that walks
+        every process of the machine, milliseconds at each epoch's end.
         """
-        total = self._children_cpu_s()
+        total = self._children_cpu_s(scan=scan)
         busy = total - self._last_children_cpu
         self._last_children_cpu = total
         return max(0.0, 100.0 * busy / wall)
 
-    def _children_cpu_s(self) -> float:
+    def _children_cpu_s(self, *, scan: bool = True) -> float:
         times = self._process.cpu_times()
         total = times.children_user + times.children_system
+        if not scan:
+            return total
         for child in self._process.children(recursive=True):
             try:
                 child_times = child.cpu_times()

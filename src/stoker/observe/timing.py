@@ -1,25 +1,30 @@
-"""Per-step phase timers: data wait, transfer, forward, backward, optimizer.
+"""Per-step phase timers: data wait, transfer, forward, backward, optimizer (and, in a
+distributed run, the communication that fetching a batch waits in).
 
 On the CPU a phase ends with a ``perf_counter`` read (tens of nanoseconds). On CUDA
 the host runs ahead of the device, so host clocks would time kernel *launches*;
 there each phase boundary records a CUDA event instead, and the events are read
 lazily — when ``summary`` is asked for, once per epoch — so timing adds no
 synchronization to the step. Data wait is always a host time: it is the time the
-training thread is blocked on the loader.
+training thread is blocked on the loader, less the time it spent in collectives
+(``PhaseTimer.communication``), which is the ``communication`` phase.
 """
 
 from __future__ import annotations
 
-import itertools
-import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PHASES = ("data_wait", "transfer", "forward", "backward", "optimizer")
-_DEVICE_PHASES = PHASES[1:]
-_INDEX = {phase: index for index, phase in enumerate(PHASES)}
+#: Reported only when a loader reported some (``PhaseTimer.communication``).
+COMMUNICATION = "communication"
+#: A step's row of durations, in the order the phases are shown.
+_COLUMNS = (PHASES[0], COMMUNICATION, *PHASES[1:])
+_INDEX = {phase: index for index, phase in enumerate(_COLUMNS)}
+_DATA, _TALK = _INDEX["data_wait"], _INDEX[COMMUNICATION]
 
 
 @dataclass(frozen=True)
@@ -37,20 +42,25 @@ class PhaseTimer:
 
     Call ``start_step`` before fetching, ``data_ready`` when the batch arrived,
     ``lap(phase)`` at the end of each later phase (several times per step with
-    gradient accumulation: laps add up), and ``end_step`` after the optimizer.
+    gradient accumulation: laps add up), and ``end_step`` after the optimizer. A loader
+    that waits in a collective while fetching calls ``communication(seconds)``.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._steps: list[list[float]] = []
-        self._run_steps: list[list[float]] = []
+        # Decoded steps, one row of _COLUMNS each, in arrays of a few hundred rows.
+        self._rows: list[np.ndarray] = []
+        self._run_rows: list[np.ndarray] = []
         # CPU: one perf_counter stamp per boundary, a step's start stored negated; the
         # durations are worked out when read, so the step itself only appends floats.
         self._stamps: list[float] = []
-        self._pending: list[tuple[float, list[tuple[int, object, object]]]] = []
+        # CPU: (stamps so far, seconds) per communication call, for the step it falls in.
+        self._talks: list[tuple[int, float]] = []
+        self._pending: list[tuple[float, float, list[tuple[int, object, object]]]] = []
         self._events: list[tuple[int, object, object]] = []
         self._step_started = 0.0
         self._data_wait = 0.0
+        self._talk_s = 0.0
         self._last_event: object | None = None
         if not self._cuda:
             self._use_cpu_calls()
@@ -75,9 +85,23 @@ class PhaseTimer:
     def start_step(self) -> None:
         if self._cuda:
             self._events = []
+            self._talk_s = 0.0
             self._step_started = time.perf_counter()
         else:
             self._stamps.append(-time.perf_counter())
+
+    def communication(self, seconds: float) -> None:
+        """``seconds`` of this step's data fetch went waiting in a collective (the ranks
+        agreeing that all have a batch): the communication phase, not data wait.
+
+        Call it between ``start_step`` and ``data_ready``, once per collective or once
+        with their sum; calls add up. Unlike the other calls it is not made in a
+        single-process run, so it is an ordinary method.
+        """
+        if self._cuda:
+            self._talk_s += seconds
+        else:
+            self._talks.append((len(self._stamps), seconds))
 
     def data_ready(self) -> None:
         if self._cuda:
@@ -99,86 +123,124 @@ class PhaseTimer:
     def end_step(self) -> None:
         if self._cuda:
             # Device times are read later, when the events have surely completed.
-            self._pending.append((self._data_wait, self._events))
+            self._pending.append((self._data_wait, self._talk_s, self._events))
 
     def _resolve_pending(self) -> None:
         if self._stamps:
-            self._steps.extend(_decode_stamps(self._stamps))
+            rows = _decode_stamps(self._stamps, self._talks)
+            if len(rows):
+                self._rows.append(rows)
             self._stamps.clear()  # in place: the CPU closures append to this very list
+            self._talks.clear()
         if not self._pending:
             return
-        self._pending[-1][1][-1][2].synchronize()  # type: ignore[attr-defined]  # one sync per read
-        for data_wait, events in self._pending:
-            durations = [data_wait] + [0.0] * len(_DEVICE_PHASES)
+        self._pending[-1][2][-1][2].synchronize()  # type: ignore[attr-defined]  # one sync per read
+        rows = np.zeros((len(self._pending), len(_COLUMNS)))
+        for row, (data_wait, talk_s, events) in zip(rows, self._pending, strict=True):
+            row[_DATA], row[_TALK] = max(data_wait - talk_s, 0.0), talk_s
             for index, start, end in events:
-                durations[index] += start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
-            self._steps.append(durations)
+                row[index] += start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
+        self._rows.append(rows)
         self._pending = []
 
     @property
     def steps(self) -> int:
         self._resolve_pending()
-        return len(self._steps)
+        return sum(len(rows) for rows in self._rows)
 
     def summary(self, *, whole_run: bool = False) -> dict[str, PhaseStats]:
-        """Per-phase statistics over the steps since the last ``reset`` (or the whole run)."""
+        """Per-phase statistics over the steps since the last ``reset`` (or the whole run).
+
+        ``communication`` is there only when some step had any.
+        """
         self._resolve_pending()
-        steps = self._run_steps + self._steps if whole_run else self._steps
-        return _summarize(steps)
+        chunks = self._run_rows + self._rows if whole_run else self._rows
+        if not chunks:
+            return {}
+        return _summarize(np.concatenate(chunks))
 
     def reset(self) -> None:
         """Start a new epoch's statistics; the run's keep everything."""
         self._resolve_pending()
-        self._run_steps.extend(self._steps)
-        self._steps = []
+        self._run_rows.extend(self._rows)
+        self._rows = []
 
 
 def _nothing() -> None:
     """end_step on the CPU: the stamps already hold the step."""
 
 
-def _decode_stamps(stamps: list[float]) -> list[list[float]]:
-    """Per-step phase durations from CPU stamps: -start, data, (transfer, forward,
-    backward) per micro-batch, optimizer. A step without its optimizer stamp (the fetch
-    that found the epoch empty) is dropped."""
-    steps: list[list[float]] = []
-    starts = [i for i, stamp in enumerate(stamps) if stamp < 0] + [len(stamps)]
-    for first, after in itertools.pairwise(starts):
-        group = stamps[first:after]
-        if len(group) < 6 or len(group) % 3:
+def _decode_stamps(stamps: list[float], talks: list[tuple[int, float]]) -> np.ndarray:
+    """Per-step rows of phase durations from CPU stamps: -start, data, (transfer,
+    forward, backward) per micro-batch, optimizer; ``talks`` are communication calls.
+    A step without its optimizer stamp (the fetch that found the epoch empty) is
+    dropped. Vectorized: an epoch's steps are decoded in a few array operations."""
+    at = np.fromiter(stamps, np.float64, len(stamps))
+    starts = np.flatnonzero(at < 0)
+    if not len(starts):
+        return np.zeros((0, len(_COLUMNS)))
+    lengths = np.empty_like(starts)  # stamps per step: to the next start, or the end
+    lengths[:-1], lengths[-1] = starts[1:], len(at)
+    lengths -= starts
+    talk_s = _talk_per_step(starts, talks)
+    decoded, order = [], []
+    for length in np.unique(lengths):  # one length, unless micro-batches per step vary
+        if length < 6 or length % 3:
             continue
-        durations = [group[1] + group[0], 0.0, 0.0, 0.0, group[-1] - group[-2]]
-        previous = group[1]
-        for at in range(2, len(group) - 1, 3):
-            transfer, forward, backward = group[at : at + 3]
-            durations[1] += transfer - previous
-            durations[2] += forward - transfer
-            durations[3] += backward - forward
-            previous = backward
-        steps.append(durations)
-    return steps
+        chosen = np.flatnonzero(lengths == length)
+        group = at[starts[chosen, None] + np.arange(length)]
+        decoded.append(_durations(group, talk_s[chosen]))
+        order.append(chosen)
+    if not decoded:
+        return np.zeros((0, len(_COLUMNS)))
+    if len(decoded) == 1:
+        return decoded[0]
+    return np.concatenate(decoded)[np.argsort(np.concatenate(order), kind="stable")]
 
 
-def _summarize(steps: list[list[float]]) -> dict[str, PhaseStats]:
-    if not steps:
-        return {}
-    step_times = [sum(step) for step in steps]
-    total = sum(step_times) or 1e-12
+def _talk_per_step(starts: np.ndarray, talks: list[tuple[int, float]]) -> np.ndarray:
+    """Communication seconds per step; a call made after stamp ``i - 1`` belongs to the
+    step that stamp is in (calls before the first start belong to no step)."""
+    talk_s = np.zeros(len(starts))
+    if talks:
+        where, seconds = (np.array(column) for column in zip(*talks, strict=True))
+        step = np.searchsorted(starts, where - 1, side="right") - 1
+        np.add.at(talk_s, step[step >= 0], seconds[step >= 0])
+    return talk_s
+
+
+def _durations(group: np.ndarray, talk_s: np.ndarray) -> np.ndarray:
+    """Rows for steps of the same number of stamps (``group``: one step's stamps a row)."""
+    laps = np.diff(group[:, 1:], axis=1)  # (transfer, forward, backward) × m, optimizer
+    micro = laps[:, :-1].reshape(len(group), -1, 3).sum(axis=1)
+    rows = np.empty((len(group), len(_COLUMNS)))
+    rows[:, _DATA] = np.maximum(group[:, 1] + group[:, 0] - talk_s, 0.0)
+    rows[:, _TALK] = talk_s
+    rows[:, _TALK + 1 : _TALK + 4] = micro
+    rows[:, -1] = laps[:, -1]
+    return rows
+
+
+def _summarize(rows: np.ndarray) -> dict[str, PhaseStats]:
+    """Totals, medians, p95s and shares of every column and of the step, in one pass."""
+    n = len(rows)
+    table = np.column_stack([rows, rows.sum(axis=1)])  # the last column: whole steps
+    ordered = np.sort(table, axis=0)
+    medians = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2  # statistics.median's
+    p95s = ordered[min(n - 1, max(0, round(0.95 * (n - 1))))]
+    totals = table.sum(axis=0)
+    whole = float(totals[-1]) or 1e-12
     stats = {}
-    for index, phase in enumerate(PHASES):
-        values = [step[index] for step in steps]
+    for index, phase in enumerate(_COLUMNS):
+        if phase == COMMUNICATION and not totals[index]:
+            continue  # single-process runs report the five phases they always did
         stats[phase] = PhaseStats(
-            total_s=sum(values),
-            median_s=statistics.median(values),
-            p95_s=_percentile(values, 95),
-            share=sum(values) / total,
+            total_s=float(totals[index]),
+            median_s=float(medians[index]),
+            p95_s=float(p95s[index]),
+            share=float(totals[index]) / whole,
         )
-    stats["step"] = PhaseStats(
-        total_s=sum(step_times),
-        median_s=statistics.median(step_times),
-        p95_s=_percentile(step_times, 95),
-        share=1.0,
-    )
+    stats["step"] = PhaseStats(float(totals[-1]), float(medians[-1]), float(p95s[-1]), 1.0)
     return stats
 
 
@@ -188,17 +250,20 @@ def _record_event() -> object:
     return event
 
 
-def _percentile(values: list[float], percent: float) -> float:
-    ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, round(percent / 100 * (len(ordered) - 1))))
-    return ordered[rank]
+def reported_phases(stats: dict[str, PhaseStats]) -> list[str]:
+    """The phases in ``stats``, in table order (``communication`` when there is some)."""
+    return [phase for phase in _COLUMNS if phase in stats]
 
 
 def timing_record(stats: dict[str, PhaseStats]) -> dict[str, float]:
-    """The metric keys for an epoch: totals per phase, step median/p95, data stall %."""
+    """The metric keys for an epoch: totals per phase, step median/p95, data stall %.
+
+    The data stall is data wait alone: time spent waiting for other ranks is
+    ``time/communication_s``, not a slow loader.
+    """
     if not stats:
         return {}
-    record = {f"time/{phase}_s": stats[phase].total_s for phase in PHASES}
+    record = {f"time/{phase}_s": stats[phase].total_s for phase in reported_phases(stats)}
     record["time/step_s"] = stats["step"].median_s
     record["time/step_p95_s"] = stats["step"].p95_s
     record["time/data_stall_pct"] = 100.0 * stats["data_wait"].share

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stoker.observe.timing import PHASES, PhaseStats
+from stoker.observe.timing import PhaseStats, reported_phases
 
 INPUT_BOUND_PCT = 20.0
 PARTLY_INPUT_BOUND_PCT = 5.0
+COMMUNICATION_BOUND_PCT = 20.0
 TRANSFER_BOUND_PCT = 15.0
 
 
@@ -30,10 +31,24 @@ def judge(stats: dict[str, PhaseStats], *, num_workers: int, device_type: str) -
 
     input-bound: the training thread waits for data ≥ 20% of the step; partly
     input-bound: 5–20%; transfer-bound: host→device copies take ≥ 15% and more than
-    the data wait; compute-bound otherwise.
+    the data wait; communication-bound: a rank waits ≥ 20% of the step for the others
+    (distributed), more than for data or copies; compute-bound otherwise. The data wait
+    excludes the time a rank spent in the loader's collective waiting for the others
+    (``communication``): a rank that waits for a slower one is not short of data.
     """
     stall = 100.0 * stats["data_wait"].share
     transfer = 100.0 * stats["transfer"].share
+    waiting = 100.0 * stats["communication"].share if "communication" in stats else 0.0
+    if waiting >= COMMUNICATION_BOUND_PCT and waiting > max(stall, transfer):
+        return Verdict(
+            "communication-bound",
+            stall,
+            transfer,
+            f"this rank waits for the other ranks {waiting:.0f}% of each step: look for a "
+            "slower rank (its own data stall, a busier device or machine), give every rank "
+            "the same work per batch, and raise loader.batch_size or train.grad_accum_steps "
+            "so the ranks meet less often",
+        )
     if transfer >= TRANSFER_BOUND_PCT and transfer > stall:
         return Verdict(
             "transfer-bound",
@@ -79,10 +94,11 @@ def judge(stats: dict[str, PhaseStats], *, num_workers: int, device_type: str) -
 
 
 def phase_table_rows(stats: dict[str, PhaseStats]) -> list[tuple[str, float, float, float]]:
-    """(phase, median ms, p95 ms, share %) per phase and for the whole step."""
+    """(phase, median ms, p95 ms, share %) per phase (``communication`` when some
+    rank waited in the loader's collective) and for the whole step."""
     rows = [
         (phase, stats[phase].median_s * 1e3, stats[phase].p95_s * 1e3, 100 * stats[phase].share)
-        for phase in PHASES
+        for phase in reported_phases(stats)
     ]
     step = stats["step"]
     rows.append(("step", step.median_s * 1e3, step.p95_s * 1e3, 100.0))
@@ -110,10 +126,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run table as plain text lines (the same under rich and in logs)."""
     if "phases" not in summary:
         return [f"verdict: {summary['verdict']}"]
-    lines = [f"{'phase':<10} {'median ms':>10} {'p95 ms':>10} {'share':>7}"]
+    width = max(10, *map(len, summary["phases"]))  # "communication" is longer
+    lines = [f"{'phase':<{width}} {'median ms':>10} {'p95 ms':>10} {'share':>7}"]
     for phase, row in summary["phases"].items():
         lines.append(
-            f"{phase:<10} {row['median_ms']:>10.3f} {row['p95_ms']:>10.3f} "
+            f"{phase:<{width}} {row['median_ms']:>10.3f} {row['p95_ms']:>10.3f} "
             f"{row['share_pct']:>6.1f}%"
         )
     lines.append(

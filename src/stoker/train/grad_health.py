@@ -9,6 +9,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from stoker.checkpoint.export import unwrap_model
+from stoker.train.grads import whole_tensor
+
 __all__ = [
     "ADAM_KINDS",
     "GradHealth",
@@ -20,14 +23,13 @@ __all__ = [
 # Optimizers whose update divides by a running estimate of the gradient's scale.
 ADAM_KINDS = frozenset({"adam", "adamw", "nadam", "radam", "adamax"})
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# torch.compile wraps a module and prefixes its parameter names; report the model's own.
-_COMPILED_PREFIX = "_orig_mod."
 
 
 def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    # torch.compile and DDP wrap the model and prefix its names; report the model's own.
     return [
-        (name.replace(_COMPILED_PREFIX, ""), parameter)
-        for name, parameter in model.named_parameters()
+        (name, parameter)
+        for name, parameter in unwrap_model(model).named_parameters()
         if parameter.requires_grad
     ]
 
@@ -117,7 +119,12 @@ def update_to_weight_ratios(
 
 
 def _read(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Plain floats from 0-d tensors: one transfer (a CPU–GPU sync point) per device."""
+    """Plain floats from 0-d tensors: one transfer (a CPU–GPU sync point) per device.
+
+    Under FSDP the norms are DTensors over every rank's shard: gathered whole first (a
+    collective; every rank samples the same steps).
+    """
+    tensors = [whole_tensor(tensor) for tensor in tensors]
     values: list[float] = [0.0] * len(tensors)
     by_device: dict[torch.device, list[int]] = defaultdict(list)
     for index, tensor in enumerate(tensors):

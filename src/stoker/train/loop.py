@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +21,22 @@ from stoker.observe.timing import PhaseTimer, timing_record
 from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
 from stoker.train.evaluate import evaluate
 from stoker.train.grad_health import GradHealth
-from stoker.train.grads import GradClipper, first_nonfinite_grad
+from stoker.train.grads import GradClipper, whole_tensor
 from stoker.train.metrics import Task, TaskMetrics
+from stoker.train.numerics import (
+    FiniteCheck,
+    NumericsGuard,
+    Restored,
+    RollbackNeeded,
+    RolledBack,
+    check_step,
+    overflow_step,
+    roll_back,
+)
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
+
+_NO_CONTEXT = contextlib.nullcontext()  # stateless, so one serves every micro-batch
 
 
 class EpochEndHook(Protocol):
@@ -107,6 +120,28 @@ class Loop:
     #: Set on a resume in the middle of an epoch: the epoch's progress so far.
     resume_in_epoch: dict[str, Any] | None = None
     warned: set[str] = field(default_factory=set)
+    #: What a NaN/inf loss or gradient does (``train.on_nonfinite``), and its counts.
+    numerics: NumericsGuard = field(default_factory=NumericsGuard)
+    #: Restores the newest valid checkpoint, for ``on_nonfinite=rollback``; None when the
+    #: run writes no checkpoints. See ``stoker.train.numerics.checkpoint_rollback``.
+    rollback: Callable[[], Restored | None] | None = None
+    #: A context in which backward does not all-reduce (DDP's ``model.no_sync``): with
+    #: gradient accumulation, every micro-batch of a step but the last runs inside it.
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    #: Distributed: combines every rank's (loss finite, gradients finite) into one verdict.
+    agree_finite: Callable[[bool, bool], tuple[bool, bool]] | None = None
+    _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
+    _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
+
+    def to_device(self, batch: Any) -> Any:
+        """Step 2, transfer: every tensor of ``batch`` to the training device.
+
+        non_blocking overlaps the copy with compute when the batch is pinned. Training on
+        the CPU the batch is already there: it is passed through without walking it.
+        """
+        if self.device.type == "cpu":
+            return batch
+        return move_to_device(batch, self.device, non_blocking=True)
 
     def finished(self) -> bool:
         return self.state.epoch >= self.epochs or self.out_of_steps()
@@ -114,14 +149,33 @@ class Loop:
     def out_of_steps(self) -> bool:
         return self.max_steps is not None and self.state.step >= self.max_steps
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, listed once (``model.parameters()`` walks every module)."""
+        if self._params is None:
+            self._params = list(self.model.parameters())
+        return self._params
+
+    def finite_check(self) -> FiniteCheck:
+        if self._finite is None:
+            self._finite = FiniteCheck(self.parameters(), agree=self.agree_finite)
+        return self._finite
+
 
 @dataclass
 class StepWindow:
-    """Sums since the last step-level record, kept on the device (no per-step sync)."""
+    """Sums since the last step-level record, kept on the device (no per-step sync).
+
+    The loss of every step that was not skipped is summed. The gradient norm is measured
+    on the window's first step that updates the parameters (and on every step when
+    clipping by norm needs it anyway): measuring it is a pass over every gradient, too
+    dear to pay on each step for a figure recorded every ``log_every_steps``.
+    """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     steps: int = 0
+    losses: int = 0  # steps whose loss is in `loss` (skipped steps are not)
+    norms: int = 0  # steps whose norm is in `grad_norm`
     samples: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -142,46 +196,58 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     timer.data_ready()
     if not micro_batches:
         return 0
-    sizes = [_count(loop, split_batch(batch)[1]) for batch in micro_batches]
+    pairs = [split_batch(batch) for batch in micro_batches]  # (inputs, targets)
+    sizes = [_count(loop, targets) for _, targets in pairs]
     step_count = sum(sizes)
-    single = len(micro_batches) == 1
+    last = len(pairs) - 1
     step_loss: torch.Tensor | None = None
 
-    for batch, size in zip(micro_batches, sizes, strict=True):
+    for index, (pair, size) in enumerate(zip(pairs, sizes, strict=True)):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
-        inputs, targets = split_batch(move_to_device(batch, loop.device, non_blocking=True))
+        inputs, targets = loop.to_device(pair)
         timer.lap("transfer")
-        # 3. Forward and 4. loss, in the run's precision.
-        with loop.precision.autocast():
-            outputs = forward(loop.model, inputs)
-            loss = _loss(loop, outputs, targets)
-        timer.lap("forward")
-        # 5. Backward. Weighting by samples (or real tokens) makes the accumulated gradient
-        # that of one batch of `step_count`, also for a smaller last micro-batch or group.
-        # A lone micro-batch has weight 1: skip the multiply (the gradient is bitwise the same).
-        loop.precision.backward(loss if single else loss * (size / step_count))
+        # Under DDP only the step's last backward all-reduces the gradients.
+        with loop.no_sync() if loop.no_sync is not None and index < last else _NO_CONTEXT:
+            # 3. Forward and 4. loss, in the run's precision.
+            with loop.precision.autocast():
+                outputs = forward(loop.model, inputs)
+                loss = _loss(loop, outputs, targets)
+            timer.lap("forward")
+            # 5. Backward. Weighting by samples (or real tokens) makes the accumulated
+            # gradient that of one batch of `step_count`, also for a smaller last
+            # micro-batch or group. A lone micro-batch has weight 1: no multiply (the
+            # gradient is bitwise the same).
+            loop.precision.backward(loss if last == 0 else loss * (size / step_count))
         metrics.update(outputs, targets, loss, size)
-        weighted = loss.detach().float() if single else loss.detach().float() * (size / step_count)
+        weighted = loss.detach().float()
+        if last:
+            weighted = weighted * (size / step_count)
         step_loss = weighted if step_loss is None else step_loss + weighted
         state.micro_step += 1
         timer.lap("backward")
-
-    # 6. Unscale (fp16) so the norm is the true one, measure it, clip.
-    loop.precision.unscale_(loop.optimizer)
-    loop.health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
-    grad_norm = loop.clipper.clip_(loop.model.parameters())
-    loop.health.observe_clip(loop.clipper.last_clipped)
     assert step_loss is not None  # there was at least one micro-batch
-    _halt_on_nonfinite(loop, step_loss, grad_norm)  # CPU–GPU sync point, once per step.
 
-    # 7. Optimizer step (the scaler skips it if an fp16 gradient overflowed), clear grads.
-    loop.precision.step(loop.optimizer)
+    # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
+    # or the optimizer touch anything: the step's one CPU–GPU sync point.
+    loop.precision.unscale_(loop.optimizer)
+    verdict = check_step(loop, step_loss, metrics, batches=len(pairs))
+    norm = None
+    if verdict == "ok":
+        # 7. Measure the norm (when recorded or needed), clip, step the optimizer.
+        loop.health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
+        norm = _clip(loop, wanted=window.norms == 0)
+        loop.precision.step(loop.optimizer)
+        loop.numerics.stepped()
+    elif verdict == "overflow":
+        overflow_step(loop)  # fp16: the scaler skips the step and lowers its scale
+    else:
+        loop.precision.skip_step(loop.optimizer)  # on_nonfinite=skip: nothing is updated
     loop.optimizer.zero_grad(set_to_none=True)
-    # 8. Schedule: the lr moves once per optimizer step.
+    # 8. Schedule: the lr moves once per step, a skipped one too (as with fp16 overflow).
     loop.scheduler.step()
     timer.lap("optimizer")
     timer.end_step()
-    if health := loop.health.after_step(loop.model):  # a sync, on sampled steps only
+    if verdict == "ok" and (health := loop.health.after_step(loop.model)):  # sampled steps
         loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health})
 
     # 9. Record, on the device; read only every `log_every_steps`.
@@ -189,14 +255,18 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     step_samples = (
         step_count  # already counted samples for the loss weights
         if loop.normalize == "samples"
-        else sum(batch_size_of(split_batch(batch)[1]) for batch in micro_batches)
+        else sum(batch_size_of(targets) for _, targets in pairs)
     )
     state.samples_seen += step_samples
-    window.loss += step_loss
-    window.grad_norm += grad_norm.detach().float().to(loop.device)
+    if verdict != "skipped":
+        window.loss += step_loss
+        window.losses += 1
+    if norm is not None:
+        window.grad_norm += norm.float().to(loop.device)
+        window.norms += 1
     window.steps += 1
     window.samples += step_samples
-    return len(micro_batches)
+    return len(pairs)
 
 
 def _count(loop: Loop, targets: Any) -> int:
@@ -214,31 +284,33 @@ def _loss(loop: Loop, outputs: Any, targets: Any) -> torch.Tensor:
         raise explain_loss_failure(error, outputs, targets, loss_name=loop.loss_name) from error
 
 
-def _halt_on_nonfinite(loop: Loop, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-    loss_ok, norm_ok = torch.isfinite(torch.stack([step_loss, grad_norm.float()])).tolist()
-    if loss_ok and (norm_ok or loop.precision.scaling):
-        # With fp16 loss scaling an overflowing gradient is expected now and then:
-        # the scaler skips that step and lowers the scale.
-        return
-    where = first_nonfinite_grad(loop.model)
-    step = loop.state.step + 1
-    what = "loss" if not loss_ok else "gradient"
-    raise TrainingError(
-        f"non-finite {what} at step {step} (epoch {loop.state.epoch}): loss={step_loss.item()}, "
-        f"grad norm={grad_norm.item()}; first parameter with a non-finite gradient: "
-        f"{where or 'none (the loss itself is not finite)'}",
-        hint="lower optim.lr, set train.clip_grad_norm, or check the data for NaN/inf values",
-    )
+def _clip(loop: Loop, *, wanted: bool) -> torch.Tensor | None:
+    """Clip (when configured); returns the pre-clip norm when ``wanted`` or clipping by norm."""
+    clipper = loop.clipper
+    if not (wanted or clipper.clipping):
+        return None
+    params = loop.parameters()
+    norm = clipper.measure([p.grad for p in params if p.grad is not None], wanted=wanted)
+    if clipper.clipping:
+        clipper.apply_(params, norm)
+        loop.health.observe_clip(clipper.last_clipped)
+    # Under FSDP the norm is a DTensor over every rank's shard: the recorded figure is whole.
+    return whole_tensor(norm) if norm is not None else None
 
 
 def train_epoch(loop: Loop) -> dict[str, Any]:
-    """Train one epoch (or up to ``max_steps``); returns the epoch's train metrics."""
+    """Train one epoch (or up to ``max_steps``); returns the epoch's train metrics.
+
+    Raises:
+        RolledBack: A fault rolled the run back to a checkpoint; ``run`` goes on from it.
+    """
     state = loop.state
     loop.train_loader.set_epoch(state.epoch)
     loop.model.train()
     metrics = TaskMetrics(loop.task, ignore_index=_ignored(loop))
     window = StepWindow.empty(loop.device)
     epoch_norm_sum = torch.zeros((), device=loop.device)
+    epoch_norms = 0
     loop.timer.reset()
     steps = consumed = 0
     if loop.resume_in_epoch is not None:
@@ -247,6 +319,9 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         metrics.load_state_dict(resumed["metrics"])
         epoch_norm_sum += resumed["grad_norm_sum"].to(loop.device)
         steps, consumed = resumed["steps"], resumed["batches"]
+        epoch_norms = resumed.get("grad_norm_count", steps)  # older checkpoints: every step
+    if loop.numerics.policy == "skip":
+        loop.numerics.keep(metrics)
     started = time.perf_counter()
     loop.progress.start_epoch(
         state.epoch + 1, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
@@ -254,7 +329,11 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     # On CUDA the next batch is copied on a side stream while this one computes.
     batches = iter(loop.prefetcher.wrap(loop.train_loader))
     while not loop.out_of_steps():
-        used = train_step(loop, batches, metrics, window)
+        try:
+            used = train_step(loop, batches, metrics, window)
+        except RollbackNeeded as needed:
+            roll_back(loop, needed.fault, batches=consumed + needed.batches)
+            raise RolledBack(str(needed.fault)) from None
         if not used:
             break
         steps += 1
@@ -267,6 +346,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
                     "steps": steps,
                     "metrics": metrics.state_dict(),
                     "grad_norm_sum": (epoch_norm_sum + window.grad_norm).detach().cpu(),
+                    "grad_norm_count": epoch_norms + window.norms,
                 },
             )
         if loop.stop.requested:
@@ -278,24 +358,25 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
             )
         if window.steps >= loop.log_every_steps:
             epoch_norm_sum += window.grad_norm
+            epoch_norms += window.norms
             _record_window(loop, window)
             window = StepWindow.empty(loop.device)
         else:
             loop.progress.advance(1)
     epoch_norm_sum += window.grad_norm
+    epoch_norms += window.norms
     epoch_s = time.perf_counter() - started
     record = metrics.compute("train")
-    record.update(
-        {
-            "lr": loop.scheduler.get_last_lr()[0],
-            "grad/norm": epoch_norm_sum.item() / max(steps, 1),
-            "time/epoch_s": epoch_s,
-            "throughput/samples_per_s": metrics.samples / epoch_s if epoch_s > 0 else 0.0,
-        }
-    )
+    record["lr"] = loop.scheduler.get_last_lr()[0]
+    if epoch_norms:
+        # The mean of the norms measured (see StepWindow), not of every step's.
+        record["grad/norm"] = epoch_norm_sum.item() / epoch_norms
+    record["time/epoch_s"] = epoch_s
+    record["throughput/samples_per_s"] = metrics.samples / epoch_s if epoch_s > 0 else 0.0
     record.update(timing_record(loop.timer.summary()))
     record.update(loop.system.sample(num_workers=_num_workers(loop.train_loader)))
-    if loop.clipper.max_norm is not None or loop.clipper.max_value is not None:
+    record.update(loop.numerics.epoch_record(loss_scale=loop.precision.loss_scale()))
+    if loop.clipper.clipping:
         record["grad/clip_rate"] = loop.clipper.clipped_steps.item() / max(state.step, 1)
     for warning in loop.health.warnings():
         kind = warning[:24]  # the same advice with other figures is not news
@@ -328,21 +409,34 @@ def _steps_per_epoch(loop: Loop) -> int | None:
 
 
 def _record_window(loop: Loop, window: StepWindow) -> None:
-    """A step-level record: mean loss and grad norm since the last one (a sync point)."""
-    loss = window.loss.item() / window.steps
+    """A step-level record: mean loss and grad norm since the last one (a sync point).
+
+    Distributed, the loss is averaged over the ranks and the throughput is all ranks'
+    (every rank trains the same number of samples per step).
+    """
+    world = _world_size()
     elapsed = time.perf_counter() - window.started
-    samples_per_s = window.samples / elapsed if elapsed > 0 else 0.0
-    loop.sink.log(
-        {
-            "epoch": loop.state.epoch,
-            "step": loop.state.step,
-            "train/loss": loss,
-            "lr": loop.scheduler.get_last_lr()[0],
-            "grad/norm": window.grad_norm.item() / window.steps,
-            "throughput/samples_per_s": samples_per_s,
-        }
-    )
+    samples_per_s = window.samples * world / elapsed if elapsed > 0 else 0.0
+    record: dict[str, Any] = {"epoch": loop.state.epoch, "step": loop.state.step}
+    loss = None
+    if window.losses:
+        loss_sum = window.loss
+        if world > 1:
+            loss_sum = loss_sum.clone()
+            torch.distributed.all_reduce(loss_sum)  # every rank records on the same steps
+        loss = loss_sum.item() / (window.losses * world)
+        record["train/loss"] = loss
+    record["lr"] = loop.scheduler.get_last_lr()[0]
+    if window.norms:
+        record["grad/norm"] = window.grad_norm.item() / window.norms
+    record["throughput/samples_per_s"] = samples_per_s
+    loop.sink.log(record)
     loop.progress.advance(1, loss=loss, samples_per_s=samples_per_s)
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def run(loop: Loop) -> list[dict[str, Any]]:
@@ -350,7 +444,10 @@ def run(loop: Loop) -> list[dict[str, Any]]:
     state = loop.state
     while not loop.finished() and not loop.stopped_early:
         record: dict[str, Any] = {"epoch": state.epoch}
-        record.update(train_epoch(loop))
+        try:
+            record.update(train_epoch(loop))
+        except RolledBack:
+            continue  # restored from a checkpoint: train on from there
         if loop.val_loader is not None:
             record.update(
                 evaluate(

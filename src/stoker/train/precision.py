@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from stoker.config import Precision as PrecisionName
 from stoker.errors import ConfigError
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()  # stateless: one serves every call
 
 
 class Precision:
@@ -40,14 +40,14 @@ class Precision:
         """Whether gradients are scaled (fp16), so a non-finite gradient may be a skip."""
         return self.scaler.is_enabled()
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """Run the forward pass and loss in the reduced dtype (nothing in fp32)."""
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Run the forward pass and loss in the reduced dtype (nothing in fp32).
+
+        fp32 gets one shared null context: no generator to build on every micro-batch.
+        """
         if self.dtype is None:
-            yield
-            return
-        with torch.autocast(self.device.type, dtype=self.dtype):
-            yield
+            return _NO_AUTOCAST
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, through the scaler when scaling."""
@@ -61,6 +61,16 @@ class Precision:
         """``optimizer.step()`` (skipped by the scaler when a gradient is inf/NaN), then update."""
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this step: no ``optimizer.step()``, and the loss scale stays as it was.
+
+        ``unscale_`` already ran, so the scaler must still close the step (else the next
+        ``unscale_`` fails); ``update(new_scale=...)`` does that without counting the step
+        as an overflow. Reading the scale is a sync, on this rare path only.
+        """
+        if self.scaling:
+            self.scaler.update(new_scale=self.scaler.get_scale())
 
     def loss_scale(self) -> float | None:
         """The current loss scale (a CPU–GPU sync point), or None when not scaling."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stoker.config import OptimConfig, ScheduleConfig
-from stoker.train.optim import build_optimizer, build_scheduler
+from stoker.train.optim import ConstantLR, build_optimizer, build_scheduler
 
 
 def _optimizer(lr: float) -> torch.optim.Optimizer:
@@ -85,3 +85,28 @@ def test_build_optimizer_kinds() -> None:
     assert type(adam) is torch.optim.Adam and adam.defaults["fused"] is True
     adamw = build_optimizer(model, OptimConfig(name="adamw", weight_decay=0.1), device=cpu)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["weight_decay"] == 0.1
+
+
+def test_a_constant_lr_steps_by_counting_and_keeps_lambdalrs_state() -> None:
+    optimizer = _optimizer(0.1)
+    schedule = build_scheduler(optimizer, ScheduleConfig(name="constant"), total_steps=10)
+    assert isinstance(schedule, ConstantLR)
+    reference_optimizer = _optimizer(0.1)
+    reference = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda step: 1.0)
+    for _ in range(3):
+        optimizer.step(), reference_optimizer.step()
+        schedule.step(), reference.step()
+    assert schedule.get_last_lr() == reference.get_last_lr() == [0.1]
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    ours, theirs = schedule.state_dict(), reference.state_dict()
+    assert ours["last_epoch"] == theirs["last_epoch"] == 3
+    assert ours["_step_count"] == theirs["_step_count"]
+    # Checkpoints load either way (a run resumed across this change).
+    fresh = ConstantLR(_optimizer(0.1))
+    fresh.load_state_dict(theirs)
+    assert fresh.last_epoch == 3
+    reference.load_state_dict(ours)
+    assert reference.last_epoch == 3
+    # A warmup or a decaying schedule needs the real thing.
+    warm = build_scheduler(_optimizer(0.1), ScheduleConfig(warmup_steps=2), total_steps=10)
+    assert not isinstance(warm, ConstantLR)

@@ -225,3 +225,91 @@ def test_token_normalization_matches_one_batch_of_all_real_tokens() -> None:
     split = grads([(ids[:2], targets[:2]), (ids[2:], targets[2:])], accum=2)  # 8 vs 2 tokens
     for a, b in zip(whole, split, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _CountingContext:
+    """Stands in for DDP's ``model.no_sync``: counts how often a micro-batch ran inside."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.active = False
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        self.entered += 1
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+
+
+def test_no_sync_wraps_every_micro_batch_but_the_last_of_a_step(
+    toy_classification, mlp_factory
+) -> None:
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model, accum=4)
+    no_sync = _CountingContext()
+    loop.no_sync = no_sync
+    backward_inside: list[bool] = []
+    model[0].weight.register_hook(lambda grad: backward_inside.append(no_sync.active))
+    batches = _batches(x[:96], y[:96], 16)  # a group of 4, then a group of 2
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    train_step(loop, batches, metrics, window)
+    assert no_sync.entered == 3
+    assert backward_inside == [True, True, True, False]  # the last backward all-reduces
+    train_step(loop, batches, metrics, window)
+    assert no_sync.entered == 4
+    assert backward_inside[4:] == [True, False]
+    # Without accumulation the context is never entered.
+    single = _loop(mlp_factory(), accum=1)
+    single.no_sync = _CountingContext()
+    train_step(single, _batches(x, y, 16), metrics, StepWindow.empty(single.device))
+    assert single.no_sync.entered == 0
+
+
+def test_measuring_then_clipping_is_bitwise_clip_grad_norm(mlp_factory) -> None:
+    def grads(model):
+        torch.manual_seed(1)
+        model(torch.randn(16, 8) * 50).pow(2).sum().backward()
+        return model
+
+    ours, theirs = grads(mlp_factory()), grads(mlp_factory())
+    clipper = GradClipper(max_norm=0.5)
+    params = list(ours.parameters())
+    norm = clipper.measure([p.grad for p in params], wanted=False)
+    clipper.apply_(params, norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, foreach=True)
+    assert torch.equal(norm, expected)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert clipper.clipped_steps.item() == 1
+    # Not clipping by norm, the norm is measured only when asked for.
+    assert GradClipper().measure([p.grad for p in params], wanted=False) is None
+    assert GradClipper(max_value=1.0).measure([p.grad for p in params], wanted=False) is None
+
+
+@pytest.mark.parametrize(("clip", "norms"), [(None, 1), (1e6, 3)])
+def test_the_grad_norm_is_measured_on_a_windows_first_step_unless_clipping_needs_it(
+    clip, norms, toy_classification, mlp_factory
+) -> None:
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model, clipper=GradClipper(max_norm=clip))
+    batches = _batches(x[:96], y[:96], 32)
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    expected = []
+    real_step = loop.precision.step
+
+    def note_norm(optimizer):
+        expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        real_step(optimizer)
+
+    loop.precision.step = note_norm  # type: ignore[method-assign]
+    for _ in range(3):
+        train_step(loop, batches, metrics, window)
+    assert (window.steps, window.losses, window.norms) == (3, 3, norms)
+    torch.testing.assert_close(window.grad_norm, sum(expected[:norms]))

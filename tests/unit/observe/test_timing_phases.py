@@ -1,0 +1,159 @@
+"""PhaseTimer's decoding and summary, and the communication phase of distributed runs."""
+
+from __future__ import annotations
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stoker.observe import timing
+from stoker.observe.timing import COMMUNICATION, PHASES, PhaseTimer, timing_record
+from stoker.observe.verdict import judge, run_summary, summary_lines
+
+
+class _Clock:
+    """A perf_counter that moves on by the given seconds at each read."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.steps: list[float] = []
+
+    def __call__(self) -> float:
+        self.now += self.steps.pop(0) if self.steps else 0.0
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=fake))
+    return fake
+
+
+def _step(
+    timer: PhaseTimer,
+    clock: _Clock,
+    *,
+    fetch: float,
+    talks: tuple[float, ...] = (),
+    micro: int = 1,
+    lap: float = 0.001,
+    optimizer: float = 0.004,
+) -> None:
+    """One step in the loop's order; the fetch takes ``fetch`` s, of which ``talks`` are
+    collectives (as RankSyncedLoader reports them)."""
+    clock.steps += [0.0, fetch] + [lap] * (3 * micro) + [optimizer]
+    timer.start_step()
+    for seconds in talks:
+        timer.communication(seconds)
+    timer.data_ready()
+    for _ in range(micro):
+        timer.lap("transfer")
+        timer.lap("forward")
+        timer.lap("backward")
+    timer.lap("optimizer")
+    timer.end_step()
+
+
+def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, clock, fetch=0.010, micro=1)
+    _step(timer, clock, fetch=0.020, micro=3)
+    _step(timer, clock, fetch=0.030, micro=1)
+    clock.steps += [0.0, 0.005]
+    timer.start_step()  # the fetch that found the epoch empty: not a step
+    timer.data_ready()
+    stats = timer.summary()
+    assert timer.steps == 3
+    assert stats["data_wait"].total_s == pytest.approx(0.060)
+    assert stats["data_wait"].median_s == pytest.approx(0.020)
+    assert stats["forward"].total_s == pytest.approx(0.001 * 5)
+    assert stats["optimizer"].p95_s == pytest.approx(0.004)
+    steps = [0.010 + 0.007, 0.020 + 0.013, 0.030 + 0.007]
+    assert stats["step"].median_s == pytest.approx(statistics.median(steps))
+    assert stats["step"].total_s == pytest.approx(sum(steps))
+    assert COMMUNICATION not in stats  # a single-process run reports what it always did
+    assert list(stats) == [*PHASES, "step"]
+    assert set(timing_record(stats)) == {f"time/{p}_s" for p in PHASES} | {
+        "time/step_s",
+        "time/step_p95_s",
+        "time/data_stall_pct",
+    }
+
+
+def test_communication_is_taken_out_of_the_data_wait(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(4):
+        # 20 ms fetch: 18 ms of it waiting for the other ranks, in two collectives
+        _step(timer, clock, fetch=0.020, talks=(0.012, 0.006), micro=2)
+    stats = timer.summary()
+    assert stats[COMMUNICATION].total_s == pytest.approx(4 * 0.018)
+    assert stats["data_wait"].median_s == pytest.approx(0.002)
+    assert stats["step"].median_s == pytest.approx(0.020 + 6 * 0.001 + 0.004)
+    assert sum(stats[p].share for p in stats if p != "step") == pytest.approx(1.0)
+    record = timing_record(stats)
+    assert record["time/communication_s"] == pytest.approx(0.072)
+    assert record["time/data_stall_pct"] == pytest.approx(100 * 0.002 / 0.030)
+
+
+def test_communication_of_the_empty_last_fetch_is_dropped_with_it(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.communication(0.5)  # before any step (set_epoch's check): no step's
+    _step(timer, clock, fetch=0.010, talks=(0.004,))
+    clock.steps += [0.0, 0.003]
+    timer.start_step()
+    timer.communication(0.003)  # the ranks agreed that the epoch is over
+    timer.data_ready()
+    stats = timer.summary()
+    assert timer.steps == 1
+    assert stats[COMMUNICATION].total_s == pytest.approx(0.004)
+
+
+def test_epochs_keep_their_own_communication(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, clock, fetch=0.010, talks=(0.004,))
+    timer.reset()
+    _step(timer, clock, fetch=0.010)
+    assert COMMUNICATION not in timer.summary()
+    assert timer.summary(whole_run=True)[COMMUNICATION].total_s == pytest.approx(0.004)
+
+
+def test_a_rank_waiting_for_others_is_not_input_bound(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(5):
+        _step(timer, clock, fetch=0.050, talks=(0.049,), optimizer=0.004)
+    stats = timer.summary()
+    verdict = judge(stats, num_workers=2, device_type="cpu")
+    # 86% of the step waiting for the other ranks: that, not data, is what bounds it.
+    assert verdict.verdict == "communication-bound"
+    assert "waits for the other ranks 86% of each step" in verdict.recommendation
+    assert verdict.data_stall_pct == pytest.approx(100 * 0.001 / 0.057)
+    summary = run_summary(stats, num_workers=2, device_type="cpu", samples_per_s=10.0)
+    assert list(summary["phases"]) == ["data_wait", COMMUNICATION, *PHASES[1:], "step"]
+    lines = summary_lines(summary)
+    assert any(line.startswith("communication ") and "86.0%" in line for line in lines)
+    assert len({len(line) for line in lines[:-2]}) == 1  # the columns still line up
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_communication_on_cuda_is_a_host_time_taken_out_of_the_data_wait() -> None:
+    timer = PhaseTimer(torch.device("cuda"))
+    x = torch.randn(256, 256, device="cuda")
+    for _ in range(3):
+        timer.start_step()
+        timer.communication(0.002)
+        timer.communication(0.001)
+        wait_until = timing.time.perf_counter() + 0.005
+        while timing.time.perf_counter() < wait_until:
+            pass
+        timer.data_ready()
+        for phase in PHASES[1:]:
+            x = x @ x / 256
+            timer.lap(phase)
+        timer.end_step()
+    stats = timer.summary()
+    assert stats[COMMUNICATION].total_s == pytest.approx(0.009)
+    assert stats["data_wait"].median_s == pytest.approx(0.002, abs=0.002)
+    assert timing_record(stats)["time/communication_s"] == pytest.approx(0.009)
