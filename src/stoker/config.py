@@ -106,6 +106,11 @@ class LoaderConfig(Section):
     prefetch_factor: PositiveInt | None = Field(
         None, description="Batches each worker loads ahead (needs num_workers > 0)."
     )
+    timeout_s: NonNegativeFloat = Field(
+        300.0,
+        description="A worker that delivers no batch for this long is an error that shows "
+        "its stack; 0 waits forever (with num_workers > 0).",
+    )
     collate_fn: str | None = Field(
         None, description="`pad` (pad + attention mask), or an import path `module:callable`."
     )
@@ -214,6 +219,29 @@ class TrainConfig(Section):
         description="Record per-layer gradient norms and update/weight ratios every this many "
         "steps (0: off).",
     )
+    on_nonfinite: Literal["halt", "skip", "rollback"] = Field(
+        "halt",
+        description="What a NaN/inf loss or gradient does: `halt` stops with an error naming "
+        "the step and the first parameter with a bad gradient; `skip` drops the step "
+        "(parameters and optimizer state unchanged); `rollback` restores the newest valid "
+        "checkpoint and goes on with the batches after the bad one.",
+    )
+    max_skipped_steps: PositiveInt = Field(
+        10,
+        description="With on_nonfinite=skip, the run stops with an error at the next bad step "
+        "once this many were skipped: a run that keeps producing NaN has diverged.",
+    )
+    max_rollbacks: PositiveInt = Field(
+        3,
+        description="With on_nonfinite=rollback, the run stops with an error at the next bad "
+        "step once it rolled back this many times.",
+    )
+    min_loss_scale: PositiveFloat = Field(
+        1.0,
+        description="fp16: a loss scale that falls below this is an error, not silent skipping. "
+        "Below 1 the scaler shrinks gradients, which only a model whose gradients overflow "
+        "fp16 unscaled (or are inf/NaN at any scale) needs (DeepSpeed's default too).",
+    )
 
     @model_validator(mode="after")
     def _one_clipping_mode(self) -> TrainConfig:
@@ -255,6 +283,27 @@ class TrackingConfig(Section):
     mlflow_experiment: str = Field("stoker", description="The MLflow experiment's name.")
 
 
+class DistributedConfig(Section):
+    """Several processes under torchrun (`stoker train --nproc N`); ignored in one process."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collective backend; `auto`: NCCL on CUDA, gloo on CPU."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="`ddp`: a full model copy per rank; `fsdp`: parameters, gradients and "
+        "optimizer state sharded across ranks (FSDP2 `fully_shard`).",
+    )
+    timeout_s: PositiveFloat = Field(
+        600.0,
+        description="A collective that waits longer fails on every rank, naming the rank "
+        "that did not arrive; a rank that makes no progress for this long exits with its stack.",
+    )
+    find_unused_parameters: bool = Field(
+        False, description="DDP: allow parameters that get no gradient in some steps (slower)."
+    )
+
+
 class RunConfig(Section):
     """One training run."""
 
@@ -269,6 +318,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples), as written to `config.yaml` and checkpoints."""

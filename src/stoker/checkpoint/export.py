@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import safetensors.torch
+import torch
 from safetensors import SafetensorError
 from torch import nn
 
@@ -27,7 +28,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def export_safetensors(model: nn.Module, path: str | Path) -> Path:
+def export_safetensors(
+    model: nn.Module, path: str | Path, *, state: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Writes the model's weights (parameters and persistent buffers) as a .safetensors file.
 
     Tied (shared) tensors are stored once, and wrapper prefixes (``_orig_mod.``,
@@ -36,6 +39,8 @@ def export_safetensors(model: nn.Module, path: str | Path) -> Path:
     Args:
         model: The model, possibly wrapped by torch.compile or DDP.
         path: The file to write; its folder must exist.
+        state: The whole state dict, when the model's own holds only this rank's shards
+            (FSDP gathers it); tensors sharing storage are then stored once.
 
     Returns:
         ``path``, as a ``Path``.
@@ -46,8 +51,23 @@ def export_safetensors(model: nn.Module, path: str | Path) -> Path:
     path = Path(path)
     with atomic_path(path, what="safetensors file") as tmp:
         # "format": "pt" is the metadata other safetensors readers expect from PyTorch files.
-        safetensors.torch.save_model(unwrap_model(model), str(tmp), metadata={"format": "pt"})
+        if state is None:
+            safetensors.torch.save_model(unwrap_model(model), str(tmp), metadata={"format": "pt"})
+        else:
+            safetensors.torch.save_file(_once_each(state), str(tmp), metadata={"format": "pt"})
     return path
+
+
+def _once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the second name of a tensor tied to another (safetensors refuses shared storage)."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor.contiguous()
+    return kept
 
 
 def load_safetensors_into(

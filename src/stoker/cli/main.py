@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,11 +47,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StokerError as error:
         if args.debug:
             raise
-        print(f"stoker: error: {error}", file=sys.stderr)
+        print(f"stoker: error: {_rank_prefix()}{error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("stoker: interrupted", file=sys.stderr)
         return 130
+
+
+def _rank_prefix() -> str:
+    """``[rank N] `` in a process of a distributed run, so errors say where they arose."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f"[rank {os.environ.get('RANK', '?')}] " if world not in ("", "1") else ""
 
 
 if __name__ == "__main__":

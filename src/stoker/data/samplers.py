@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,6 +14,8 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from stoker.errors import ConfigError, DataError
+
+logger = logging.getLogger("stoker")
 
 __all__ = [
     "EpochPosition",
@@ -149,6 +153,29 @@ def _check_resume(name: str, state: dict[str, Any], *, world_size: int, total: i
     return count
 
 
+def _pass_over(sampler: Any, order: torch.Tensor) -> Iterator[int]:
+    """One pass over ``order`` from the sampler's position, counting what it hands out.
+
+    A pass that starts in an epoch whose pass already ran to its end is the classic
+    ``DistributedSampler`` mistake — a new epoch without ``set_epoch`` — and would repeat
+    that epoch's order: warned about. stoker's own loader moves to the next epoch after
+    each full pass, so this fires only for a sampler used in a loop of one's own.
+    """
+    if sampler._finished_epoch == sampler.epoch and getattr(sampler, "shuffle", True):
+        message = (
+            f"{type(sampler).__name__}: a new pass started in epoch {sampler.epoch}, whose "
+            "pass already ran to its end; call set_epoch(epoch) before each epoch, or every "
+            "epoch repeats the same order"
+        )
+        logger.warning(message)
+        warnings.warn(message, stacklevel=3)
+    start = sampler._position.begin()
+    for index in order[start:].tolist():
+        sampler._position.yielded += 1
+        yield index
+    sampler._finished_epoch = sampler.epoch
+
+
 class EpochRandomSampler(Sampler[int]):
     """A random permutation per epoch, determined by ``(seed, epoch)`` alone.
 
@@ -177,6 +204,7 @@ class EpochRandomSampler(Sampler[int]):
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
+        shuffle: bool = True,
     ) -> None:
         """Build the sampler.
 
@@ -187,6 +215,8 @@ class EpochRandomSampler(Sampler[int]):
             world_size: Number of ranks; defaults to torch.distributed's, else 1.
             drop_last: With several ranks, drop the tail that does not divide evenly
                 instead of repeating indices to fill the last round.
+            shuffle: False keeps the dataset's order (``0, 1, 2, ...`` split over the
+                ranks): a sequential sampler that still splits, pads and resumes.
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
             raise DataError(
@@ -197,8 +227,10 @@ class EpochRandomSampler(Sampler[int]):
         self.seed = int(seed)
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.drop_last = drop_last
+        self.shuffle = shuffle
         self.epoch = 0
         self._position = EpochPosition()
+        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
 
     @property
     def samples_yielded(self) -> int:
@@ -213,7 +245,10 @@ class EpochRandomSampler(Sampler[int]):
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's whole order for the epoch, as one int64 tensor."""
-        order = torch.randperm(self.num_samples, generator=_generator(self.seed, self.epoch))
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=_generator(self.seed, self.epoch))
+        else:
+            order = torch.arange(self.num_samples)
         return rank_slice(order, self.rank, self.world_size, drop_last=self.drop_last)
 
     def indices(self) -> torch.Tensor:
@@ -221,11 +256,7 @@ class EpochRandomSampler(Sampler[int]):
         return self.epoch_indices()[self._position.peek() :]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.epoch_indices()
-        start = self._position.begin()
-        for index in order[start:].tolist():
-            self._position.yielded += 1
-            yield index
+        return _pass_over(self, self.epoch_indices())
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -417,6 +448,7 @@ class EpochWeightedSampler(Sampler[int]):
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.epoch = 0
         self._position = EpochPosition()
+        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
 
     @property
     def samples_yielded(self) -> int:
@@ -448,11 +480,7 @@ class EpochWeightedSampler(Sampler[int]):
         return self.epoch_indices()[self._position.peek() :]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.epoch_indices()
-        start = self._position.begin()
-        for index in order[start:].tolist():
-            self._position.yielded += 1
-            yield index
+        return _pass_over(self, self.epoch_indices())
 
     def __len__(self) -> int:
         return math.ceil(self.num_samples / self.world_size)

@@ -13,7 +13,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,26 @@ from stoker.train.precision import Precision
 from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
 
 
+class PlainWeights:
+    """The model's and optimizer's own state dicts (one process, or DDP's full copies).
+
+    FSDP swaps in ``stoker.distributed.fsdp.ShardedWeights``, which gathers whole dicts.
+    """
+
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return model.state_dict(), optimizer.state_dict()
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+
+
 @dataclass
 class ResumableParts:
     """The stateful pieces of one run, as ``train_run`` built them."""
@@ -38,22 +58,42 @@ class ResumableParts:
     precision: Precision
     state: TrainState
     clipper: GradClipper
-    checkpointer: Checkpointer
+    checkpointer: Checkpointer | None  # rank 0's alone in a distributed run
     bad_records: BadRecordLog
     train_loader: Any
     config: dict[str, Any]
     fingerprint: Fingerprint | None
+    weights: Any = field(default_factory=PlainWeights)
 
-    def bundle(self, loop: Loop, *, in_epoch: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The checkpoint contents now; ``in_epoch`` is the loop's progress mid-epoch."""
+    def rank_state(self, *, in_epoch: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What differs between ranks: RNG streams, loader position, the epoch's running sums."""
         loader = (
             self.train_loader.state_dict(batches_consumed=in_epoch["batches"])
             if in_epoch
             else {"epoch": self.state.epoch}
         )
+        return {"rng": capture_rng_state(), "loader": loader, "in_epoch": in_epoch}
+
+    def bundle(
+        self,
+        loop: Loop,
+        *,
+        in_epoch: dict[str, Any] | None = None,
+        ranks: list[dict[str, Any]] | None = None,
+        weights: tuple[dict, dict] | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint contents now; ``in_epoch`` is the loop's progress mid-epoch.
+
+        ``ranks`` holds every rank's :meth:`rank_state` in a distributed run (rank 0's
+        is also stored at the top level, as a single process stores it). ``weights``
+        are the model's and optimizer's state dicts when gathered beforehand (FSDP).
+        """
+        ranks = ranks or [self.rank_state(in_epoch=in_epoch)]
+        model_state, optimizer_state = weights or self.weights.state(self.model, self.optimizer)
+        assert self.checkpointer is not None, "only the rank that writes checkpoints bundles"
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "precision": self.precision.state_dict(),
             "train_state": self.state.state_dict(),
@@ -61,29 +101,35 @@ class ResumableParts:
             "checkpointer": self.checkpointer.state_dict(),
             "bad_records": self.bad_records.state_dict(),
             "history": loop.history,
-            "loader": loader,
+            "numerics": loop.numerics.state_dict(),
+            "loader": ranks[0]["loader"],
             "in_epoch": in_epoch,
-            "rng": capture_rng_state(),
+            "rng": ranks[0]["rng"],
+            "ranks": ranks if len(ranks) > 1 else None,
+            "world_size": len(ranks),
             "config": self.config,
             "data_fingerprint": self.fingerprint.to_dict() if self.fingerprint else None,
         }
 
-    def restore(self, bundle: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    def restore(self, bundle: dict[str, Any], *, rank: int = 0) -> tuple[list[dict[str, Any]], Any]:
         """Load a bundle into the parts; returns (history, mid-epoch progress or None).
 
-        The RNG states go last, so nothing built before consumes random numbers after.
+        Rank ``rank`` takes its own RNG states and loader position. The RNG states go
+        last, so nothing built before consumes random numbers after.
         """
-        self.model.load_state_dict(bundle["model"])
-        self.optimizer.load_state_dict(bundle["optimizer"])
+        ranks = bundle.get("ranks") or []
+        own = ranks[rank] if rank < len(ranks) else bundle  # a world of 1 saved no "ranks"
+        self.weights.load(self.model, self.optimizer, bundle["model"], bundle["optimizer"])
         self.scheduler.load_state_dict(bundle["scheduler"])
         self.precision.load_state_dict(bundle["precision"])
         self.state.load_state_dict(bundle["train_state"])
         self.clipper.clipped_steps = bundle.get("clipped_steps", self.clipper.clipped_steps)
-        self.checkpointer.load_state_dict(bundle["checkpointer"])
+        if self.checkpointer is not None:
+            self.checkpointer.load_state_dict(bundle["checkpointer"])
         self.bad_records.load_state_dict(bundle.get("bad_records", self.bad_records.state_dict()))
-        self.train_loader.load_state_dict(bundle.get("loader", {"epoch": self.state.epoch}))
-        restore_rng_state(bundle["rng"])
-        return list(bundle.get("history", [])), bundle.get("in_epoch")
+        self.train_loader.load_state_dict(own.get("loader", {"epoch": self.state.epoch}))
+        restore_rng_state(own["rng"])
+        return list(bundle.get("history", [])), own.get("in_epoch", bundle.get("in_epoch"))
 
 
 @contextlib.contextmanager

@@ -29,10 +29,19 @@ from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_f
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.records import BadRecordLog
+from stoker.distributed.guards import (
+    AgreedStop,
+    RankSyncedLoader,
+    Watchdog,
+    check_same_data,
+    explain_collective_failure,
+)
+from stoker.distributed.runtime import Distributed, distributed_run
+from stoker.distributed.sharding import rank_share
 from stoker.errors import CheckpointError, ConfigError, TrainingInterrupted
 from stoker.observe.progress import build_progress
 from stoker.observe.report import write_report
-from stoker.observe.sinks import build_sinks
+from stoker.observe.sinks import NullSink, build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
@@ -40,6 +49,7 @@ from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
+from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.precision import Precision
 from stoker.train.resume import ResumableParts, resume_mismatches, stop_on_signals
@@ -114,7 +124,9 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
     if val_data is not None:
         loader_cfg = config.loader
         val_loader = build_loader(
-            val_data,
+            # DDP: each rank validates its share and the metric sums are reduced. FSDP needs
+            # every rank in every forward, so there each rank validates the whole set.
+            val_data if config.distributed.strategy == "fsdp" else rank_share(val_data),
             batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
             num_workers=loader_cfg.num_workers,
             pin_memory=loader_cfg.pin_memory,
@@ -123,6 +135,8 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
             collate_fn=collate_fn,
             seed=config.seed,
             device=device,
+            timeout_s=loader_cfg.timeout_s,
+            split_across_ranks=False,  # already this rank's share (DDP), or all of it (FSDP)
         )
     return Pipeline(
         config=config,
@@ -175,6 +189,7 @@ def build_train_loader(
         "persistent_workers": loader_cfg.persistent_workers,
         "prefetch_factor": loader_cfg.prefetch_factor,
         "bucket_size_multiplier": loader_cfg.bucket_size_multiplier,
+        "timeout_s": loader_cfg.timeout_s,
     }
     options.update(overrides)
     return build_loader(dataset, collate_fn=collate_fn, seed=config.seed, device=device, **options)
@@ -200,13 +215,41 @@ def train_run(
         resume_hint: The command that resumes this run, shown at the end.
         allow_data_change: Resume even if the training data's fingerprint changed.
         allow_config_change: Resume even if a setting the exact resume depends on changed.
+
+    Under torchrun every rank calls this; rank 0 prints, tracks and writes checkpoints.
     """
+    with distributed_run(config.distributed, device_name=config.train.device) as dist:
+        return _train_run(
+            config,
+            dist,
+            user=user,
+            resume=_elastic_resume(config, dist, resume),
+            progress=progress if dist.is_main else "quiet",
+            resume_hint=resume_hint,
+            allow_data_change=allow_data_change,
+            allow_config_change=allow_config_change,
+        )
+
+
+def _train_run(
+    config: RunConfig,
+    dist: Distributed,
+    *,
+    user: UserComponents,
+    resume: str | Path | None,
+    progress: str,
+    resume_hint: str | None,
+    allow_data_change: bool,
+    allow_config_change: bool,
+) -> FitResult:
     seed_everything(config.seed)
     pipeline = build_pipeline(config, user)
     model, device = pipeline.model, pipeline.device
     loss_fn, train_loader, val_loader = pipeline.loss_fn, pipeline.train_loader, pipeline.val_loader
 
     model.to(device)
+    # DDP or FSDP2 with several ranks; before the optimizer, as FSDP2 swaps the parameters.
+    wrapped = dist.wrap(model, config.distributed, device=device)
     optimizer = build_optimizer(model, config.optim, device=device)
     scheduler = build_scheduler(
         optimizer, config.schedule, total_steps=_total_steps(config, train_loader)
@@ -215,12 +258,18 @@ def train_run(
     state = TrainState()
     monitor = _monitor(config, has_val=val_loader is not None)
 
-    run_dir = _run_dir(config, resume)
+    # Rank 0 makes the run dir; the others write into the same one.
+    run_dir = dist.broadcast(_run_dir(config, resume) if dist.is_main else None)
     fingerprint = None
     if config.data.fingerprint != "off":
         fingerprint = fingerprint_dataset(
             pipeline.train_data, full=config.data.fingerprint == "full"
         )
+    check_same_data(
+        dist,
+        length=_length_or_none(pipeline.train_data),
+        digest=fingerprint.digest if fingerprint is not None else None,
+    )
     # Check that the run can be resumed before anything takes the checkpoint lock.
     bundle = _load_resume_bundle(resume) if resume is not None else None
     data_warning = None
@@ -229,16 +278,24 @@ def train_run(
             data_warning = verify_dataset(
                 pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
             )
-        _check_resume_config(bundle.get("config", {}), config, allow=allow_config_change)
-    checkpointer = Checkpointer(
-        run_dir / "checkpoints",
-        keep_last=config.checkpoint.keep_last,
-        keep_best=config.checkpoint.keep_best,
-        monitor=monitor.metric,
-        mode=monitor.mode,
-    )
+        _check_resume_config(
+            bundle.get("config", {}),
+            config,
+            allow=allow_config_change,
+            saved_world=bundle.get("world_size", 1),
+            world=dist.world_size,
+        )
+    checkpointer = None
+    if dist.is_main:
+        checkpointer = Checkpointer(
+            run_dir / "checkpoints",
+            keep_last=config.checkpoint.keep_last,
+            keep_best=config.checkpoint.keep_best,
+            monitor=monitor.metric,
+            mode=monitor.mode,
+        )
     bad_records = BadRecordLog(
-        run_dir / "bad_records.jsonl",
+        run_dir / _per_rank("bad_records.jsonl", dist),
         max_total=config.data.max_bad_records,
         max_consecutive=config.data.max_consecutive_bad_records,
     )
@@ -257,16 +314,18 @@ def train_run(
         train_loader=train_loader,
         config=config.to_dict(),
         fingerprint=fingerprint,
+        weights=dist.weights_io(config.distributed),
     )
     history: list[dict[str, Any]] = []
     in_epoch = None
     if bundle is not None:
-        history, in_epoch = parts.restore(bundle)
-    write_config(config, run_dir / "config.yaml")
-    if fingerprint is not None:
-        write_fingerprint(fingerprint, run_dir)
+        history, in_epoch = parts.restore(bundle, rank=dist.rank)
+    if dist.is_main:
+        write_config(config, run_dir / "config.yaml")
+        if fingerprint is not None:
+            write_fingerprint(fingerprint, run_dir)
 
-    called_model = torch.compile(model) if config.train.compile else model
+    called_model = torch.compile(wrapped) if config.train.compile else wrapped
     tracking = config.tracking
     mlflow = None
     if tracking.mlflow:
@@ -276,8 +335,14 @@ def train_run(
             "run_name": run_dir.name,
             "params": config.to_dict(),
         }
-    sink = build_sinks(run_dir, tensorboard=tracking.tensorboard, mlflow=mlflow)
+    sink = (
+        build_sinks(run_dir, tensorboard=tracking.tensorboard, mlflow=mlflow)
+        if dist.is_main
+        else NullSink()
+    )
     view = build_progress(progress)  # type: ignore[arg-type]
+    if dist.info.restart_count:
+        view.message(f"restarted by torchrun (restart {dist.info.restart_count})")
     if bundle is not None:
         where = f"in epoch {state.epoch + 1}" if in_epoch else f"after epoch {state.epoch}"
         view.message(f"resuming {run_dir} {where} (step {state.step})")
@@ -288,17 +353,39 @@ def train_run(
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
         if config.checkpoint.enabled:
-            checkpointer.save(
-                parts.bundle(loop), epoch=record["epoch"], step=state.step, metrics=record
-            )
+            # Every rank hands rank 0 its RNG states and loader position (a collective),
+            # and under FSDP its shard of the weights.
+            weights = parts.weights.state(model, optimizer)
+            ranks = dist.gather(parts.rank_state())
+            if checkpointer is not None:
+                with watchdog.paused():
+                    checkpointer.save(
+                        parts.bundle(loop, ranks=ranks, weights=weights),
+                        epoch=record["epoch"],
+                        step=state.step,
+                        metrics=record,
+                    )
 
     def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
-        # Not a candidate for best: there are no validation metrics mid-epoch.
-        checkpointer.save(
-            parts.bundle(loop, in_epoch=progress_in_epoch),
-            epoch=state.epoch,
-            step=state.step,
-            metrics=None,
+        weights = parts.weights.state(model, optimizer)
+        ranks = dist.gather(parts.rank_state(in_epoch=progress_in_epoch))
+        if checkpointer is not None:
+            # Not a candidate for best: there are no validation metrics mid-epoch.
+            with watchdog.paused():
+                checkpointer.save(
+                    parts.bundle(loop, in_epoch=progress_in_epoch, ranks=ranks, weights=weights),
+                    epoch=state.epoch,
+                    step=state.step,
+                    metrics=None,
+                )
+
+    stop: Any = AgreedStop() if dist.enabled else None
+    timer = PhaseTimer(device)
+    watchdog = Watchdog(dist)
+    loop_loader: Any = train_loader
+    if dist.enabled:
+        loop_loader = RankSyncedLoader(
+            train_loader, dist, stop=stop, watchdog=watchdog, timer=timer
         )
 
     loop = Loop(
@@ -310,7 +397,7 @@ def train_run(
         loss_fn=loss_fn,
         loss_name=config.loss.name,
         task=_task(config),
-        train_loader=train_loader,
+        train_loader=loop_loader,
         val_loader=val_loader,
         device=device,
         state=state,
@@ -318,7 +405,7 @@ def train_run(
         progress=view,
         monitor=monitor,
         on_epoch_end=save_checkpoint,
-        timer=PhaseTimer(device),
+        timer=timer,
         system=SystemMonitor(device),
         health=GradHealth(config.train.grad_health_every, optimizer_kind=config.optim.name),
         prefetcher=DevicePrefetcher(device, enabled=_prefetch(config.train.prefetch, device)),
@@ -332,12 +419,29 @@ def train_run(
         checkpoint_every_steps=config.checkpoint.every_steps,
         on_step_checkpoint=save_in_epoch if config.checkpoint.enabled else None,
         resume_in_epoch=in_epoch,
+        numerics=NumericsGuard.from_config(config.train),
+        rollback=checkpoint_rollback(
+            run_dir / "checkpoints", lambda bundle: parts.restore(bundle, rank=dist.rank)
+        )
+        if config.checkpoint.enabled
+        else None,
     )
-    (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
+    if stop is not None:
+        loop.stop = stop
+    if bundle is not None:
+        loop.numerics.load_state_dict(bundle.get("numerics"))
+    loop.no_sync = dist.no_sync(wrapped)
+    loop.agree_finite = dist.agree_finite()
+    if dist.is_main:
+        (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
     try:
-        with stop_on_signals(loop.stop):
+        with stop_on_signals(loop.stop), explain_collective_failure(dist, "a training step"):
             run(loop)
-        export_safetensors(model, run_dir / "model.safetensors")
+        # Under FSDP the whole weights are gathered from every rank first (a collective).
+        sharded = dist.enabled and config.distributed.strategy == "fsdp"
+        whole = parts.weights.state(model, optimizer)[0] if sharded else None
+        if dist.is_main:
+            export_safetensors(model, run_dir / "model.safetensors", state=whole)
     except TrainingInterrupted as stopped:
         stopped.hint = (
             f"resume with: {(resume_hint or '--resume {run_dir}').format(run_dir=run_dir)}"
@@ -345,13 +449,16 @@ def train_run(
         raise
     finally:
         sink.close()
-        checkpointer.close()
-    summary = _write_summary(loop, run_dir)
-    for line in summary_lines(summary):
-        view.message(line)
-    write_report(run_dir)
-    _say_where(view, run_dir, resume_hint)
+        if checkpointer is not None:
+            checkpointer.close()
+    if dist.is_main:
+        summary = _write_summary(loop, run_dir)
+        for line in summary_lines(summary):
+            view.message(line)
+        write_report(run_dir)
+        _say_where(view, run_dir, resume_hint)
     view.close()
+    dist.barrier()  # rank 0's files are complete before any rank reports success
     return FitResult(
         metrics=loop.history[-1] if loop.history else {},
         history=loop.history,
@@ -381,8 +488,12 @@ def _shuffle(setting: bool | str, dataset: Dataset) -> bool:
     return bool(setting)
 
 
-def _check_resume_config(saved: dict[str, Any], config: RunConfig, *, allow: bool) -> None:
+def _check_resume_config(
+    saved: dict[str, Any], config: RunConfig, *, allow: bool, saved_world: int = 1, world: int = 1
+) -> None:
     changed = resume_mismatches(saved, config.to_dict())
+    if saved_world != world:
+        changed.append(f"world size (processes): {saved_world} in the checkpoint, {world} now")
     if not changed:
         return
     if allow:
@@ -455,6 +566,38 @@ def _monitor(config: RunConfig, *, has_val: bool) -> Monitor:
         patience=stopping.patience if stopping else None,
         min_delta=stopping.min_delta if stopping else 0.0,
     )
+
+
+def _elastic_resume(
+    config: RunConfig, dist: Distributed, resume: str | Path | None
+) -> str | Path | None:
+    """After torchrun restarts the group, every rank resumes the run dir it was writing."""
+    if resume is not None or dist.info.restart_count == 0:
+        return resume
+    if config.tracking.run_dir is None:
+        raise ConfigError(
+            f"torchrun restarted this group (restart {dist.info.restart_count}) but the run "
+            "has no fixed run dir to resume from",
+            hint="pass --run-dir DIR (stoker train --nproc sets one for you)",
+        )
+    run_dir = Path(config.tracking.run_dir)
+    # A group that failed before rank 0 wrote config.yaml starts the run afresh.
+    return run_dir if (run_dir / "config.yaml").is_file() else None
+
+
+def _per_rank(name: str, dist: Distributed) -> str:
+    """``name`` for rank 0 (and a single process); ``stem.rankN.suffix`` for the others."""
+    if dist.is_main:
+        return name
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.rank{dist.rank}.{suffix}"
+
+
+def _length_or_none(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _run_dir(config: RunConfig, resume: str | Path | None) -> Path:

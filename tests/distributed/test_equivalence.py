@@ -1,0 +1,68 @@
+"""2 ranks with batch 32 each train the same model as 1 process with batch 64."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.distributed
+
+
+def epoch_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "time/epoch_s" in r]
+
+
+def step_losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        (r["step"], r["train/loss"])
+        for r in map(json.loads, lines)
+        if "train/loss" in r and "time/epoch_s" not in r
+    ]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_stoker, shuffle):
+    """Shuffled or not, each rank takes every 2nd sample of the same order."""
+    config = write_config(
+        data={"val_fraction": 0.2}, train={"epochs": 3}, loader={"shuffle": shuffle}
+    )
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+
+    two = run_stoker("train", str(config), "--nproc", "2", "--run-dir", str(ddp), "--quiet")
+    assert two.returncode == 0, two.stderr
+    one = run_stoker(
+        "train", str(config), "loader.batch_size=64", "--run-dir", str(single), "--quiet"
+    )
+    assert one.returncode == 0, one.stderr
+
+    weights_ddp = load_file(ddp / "model.safetensors")
+    weights_one = load_file(single / "model.safetensors")
+    assert weights_ddp.keys() == weights_one.keys()
+    worst = 0.0
+    for name, tensor in weights_one.items():
+        difference = (weights_ddp[name] - tensor).abs().max() / tensor.abs().max()
+        worst = max(worst, float(difference))
+    print(f"largest relative weight difference, 2x32 vs 1x64: {worst:.3e}")
+    assert worst <= 1e-6
+
+    # Metrics reduced over ranks equal one process's: the same samples, the same sums.
+    for reduced, whole in zip(epoch_records(ddp), epoch_records(single), strict=True):
+        assert reduced["val/accuracy"] == whole["val/accuracy"]
+        assert reduced["val/loss"] == pytest.approx(whole["val/loss"], rel=1e-5)
+        assert reduced["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5)
+        assert reduced["train/accuracy"] == whole["train/accuracy"]
+    # Step-level records too: the loss averaged over the ranks is the whole batch's.
+    ddp_steps, one_steps = step_losses(ddp), step_losses(single)
+    assert [step for step, _ in ddp_steps] == [step for step, _ in one_steps]
+    assert len(ddp_steps) == 12  # 4 steps an epoch, 3 epochs, each recorded
+    for (_, reduced), (_, whole) in zip(ddp_steps, one_steps, strict=True):
+        assert reduced == pytest.approx(whole, rel=1e-5)
+    # Training moved the model (the comparison is not of two untouched models).
+    records = epoch_records(single)
+    assert records[-1]["train/loss"] < records[0]["train/loss"] - 0.05
+    # Only rank 0 wrote: one metrics file, one checkpoint-free run dir, no rank files.
+    assert not list(ddp.glob("*.rank1.*"))
