@@ -1,7 +1,8 @@
 """What stoker's per-step measuring costs: the phase timer, and the rest of the bookkeeping.
 
 Phase timing (``stoker.observe.timing.PhaseTimer``): the calls the loop makes every
-step (``start_step``, ``data_ready``, four ``lap``s, ``end_step``) plus the epoch's
+step on the CPU (``start_step``, ``data_ready``, three ``lap``s — forward, backward,
+optimizer; there is no transfer to time on the CPU — ``end_step``) plus the epoch's
 ``summary``/``reset`` spread over its steps. Measured two ways, both against the
 seed workload's step (MLP 20→32→2, fused Adam, batch 64, pre-batched tensors):
 
@@ -10,9 +11,9 @@ seed workload's step (MLP 20→32→2, fused Adam, batch 64, pre-batched tensors
   the median untimed step, minus 1; the figure is the median over the repeats, plus
   the epoch summary's cost spread over an epoch's steps (target: < 1% of step time).
   The same with calls that do nothing is the control: it reads the method's noise
-  (and the bare cost of seven calls). The spread over the repeats is in the note;
+  (and the bare cost of six calls). The spread over the repeats is in the note;
 - alone: the same calls in a tight loop, in µs per step (a lower bound: in the loop
-  caches are colder, and each of the six clock reads costs several times more).
+  caches are colder, and each of the five clock reads costs several times more).
 
 The other per-step bookkeeping of ``stoker.train.loop.train_step`` — the non-finite
 check, running metrics, the lr scheduler, the step loss — is timed alone, per call, for
@@ -59,10 +60,10 @@ BATCH = 64
 
 
 def timed_phases(timer: PhaseTimer) -> None:
-    """The PhaseTimer calls train_step makes in one step (no gradient accumulation)."""
+    """The PhaseTimer calls train_step makes in one step on the CPU (no gradient
+    accumulation; no transfer lap: ``timer.times_transfer`` is False there)."""
     timer.start_step()
     timer.data_ready()
-    timer.lap("transfer")
     timer.lap("forward")
     timer.lap("backward")
     timer.lap("optimizer")
@@ -121,7 +122,6 @@ def alternating_epochs(
             if on:
                 timer.start_step()
                 timer.data_ready()
-                timer.lap("transfer")
             loss = loss_fn(model(xb), yb)
             if on:
                 timer.lap("forward")
@@ -193,19 +193,24 @@ def bookkeeping_costs() -> dict[str, float]:
     params = list(model.parameters())
     check = FiniteCheck(params)
     step_loss = loss.detach().float()
-    window_loss = torch.zeros(())
+    window_losses: list[torch.Tensor] = []
+    log_every = 50  # the default train.log_every_steps
 
     def grad_norm() -> None:  # on a window's first step (every step when clipping by norm)
         clipper.measure([p.grad for p in params if p.grad is not None], wanted=True)
 
-    def step_loss_and_window() -> None:  # the step's loss, added to the window's sum
-        window_loss.add_(loss.detach().float())
+    def step_loss_and_window() -> None:  # the step's loss, kept; summed once per window
+        window_losses.append(loss.detach().float())
+        if len(window_losses) == log_every:
+            torch.stack(window_losses).sum()
+            window_losses.clear()
 
     pieces: dict[str, Callable[[], object]] = {
         "non-finite check (FiniteCheck: loss + every gradient, one read)": lambda: check(step_loss),
-        "TaskMetrics.update": lambda: metrics.update(outputs, yb, loss, BATCH),
+        # The loop passes the loss it detached once for the step loss too.
+        "TaskMetrics.update": lambda: metrics.update(outputs, yb, step_loss, BATCH),
         "ConstantLR.step (constant schedule)": scheduler.step,
-        "step loss + window sum": step_loss_and_window,
+        "step loss + window sum (one stack + sum per window)": step_loss_and_window,
         "grad norm (GradClipper.measure; 1 step in log_every_steps)": grad_norm,
     }
     return {name: per_call_us(fn) for name, fn in pieces.items()}

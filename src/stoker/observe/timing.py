@@ -1,7 +1,10 @@
 """Per-step phase timers: data wait, transfer, forward, backward, optimizer (and, in a
 distributed run, the communication that fetching a batch waits in).
 
-On the CPU a phase ends with a ``perf_counter`` read (tens of nanoseconds). On CUDA
+On the CPU a phase ends with a ``perf_counter`` read (tens of nanoseconds), and
+``transfer`` is reported as 0: training on the CPU the batch is already where it is
+used (``Loop.to_device`` passes it through), so the loop takes no stamp for it and
+``lap("transfer")`` is a no-op there (``PhaseTimer.times_transfer`` is False). On CUDA
 the host runs ahead of the device, so host clocks would time kernel *launches*;
 there each phase boundary records a CUDA event instead, and the events are read
 lazily — when ``summary`` is asked for, once per epoch — so timing adds no
@@ -48,6 +51,10 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        #: Whether ``lap("transfer")`` measures anything: on the CPU transfer is 0 (no copy).
+        self.times_transfer = device.type != "cpu"
+        # Host stamps per micro-batch: (transfer,) forward, backward.
+        self._per_micro = 3 if self.times_transfer else 2
         # Decoded steps, one row of _COLUMNS each, in arrays of a few hundred rows.
         self._rows: list[np.ndarray] = []
         self._run_rows: list[np.ndarray] = []
@@ -67,19 +74,27 @@ class PhaseTimer:
 
     def _use_cpu_calls(self) -> None:
         """Replace the four calls by closures over the stamp list: on the CPU each call is
-        then one clock read and one append, with no branch and no attribute lookups
-        (measured: this is what keeps timing under 1% of a tiny model's step)."""
+        then one clock read and one append, with no attribute lookups (measured: this is
+        what keeps timing under 1% of a tiny model's step). ``lap("transfer")`` takes no
+        stamp: on the CPU there is no transfer, and the loop does not call it."""
         append, clock = self._stamps.append, time.perf_counter
 
         def start_step() -> None:
             append(-clock())
 
-        def stamp(phase: str = "") -> None:
+        def data_ready() -> None:
+            append(clock())
+
+        def lap(phase: str) -> None:
+            if phase != "transfer":
+                append(clock())
+
+        def stamp(phase: str) -> None:
             append(clock())
 
         self.start_step = start_step  # type: ignore[method-assign]
-        self.data_ready = stamp  # type: ignore[method-assign]
-        self.lap = stamp  # type: ignore[method-assign]
+        self.data_ready = data_ready  # type: ignore[method-assign]
+        self.lap = stamp if self.times_transfer else lap  # type: ignore[method-assign]
         self.end_step = _nothing  # type: ignore[method-assign]
 
     def start_step(self) -> None:
@@ -111,13 +126,13 @@ class PhaseTimer:
             self._stamps.append(time.perf_counter())
 
     def lap(self, phase: str) -> None:
-        """End ``phase``. On the CPU the order (transfer, forward, backward per micro-batch,
-        then optimizer) is the loop's, so only the time is kept."""
+        """End ``phase``. On the CPU the order (forward, backward per micro-batch, then
+        optimizer) is the loop's, so only the time is kept; transfer takes no stamp."""
         if self._cuda:
             event = _record_event()
             self._events.append((_INDEX[phase], self._last_event, event))
             self._last_event = event
-        else:
+        elif self.times_transfer or phase != "transfer":
             self._stamps.append(time.perf_counter())
 
     def end_step(self) -> None:
@@ -127,7 +142,7 @@ class PhaseTimer:
 
     def _resolve_pending(self) -> None:
         if self._stamps:
-            rows = _decode_stamps(self._stamps, self._talks)
+            rows = _decode_stamps(self._stamps, self._talks, self._per_micro)
             if len(rows):
                 self._rows.append(rows)
             self._stamps.clear()  # in place: the CPU closures append to this very list
@@ -170,9 +185,13 @@ def _nothing() -> None:
     """end_step on the CPU: the stamps already hold the step."""
 
 
-def _decode_stamps(stamps: list[float], talks: list[tuple[int, float]]) -> np.ndarray:
-    """Per-step rows of phase durations from CPU stamps: -start, data, (transfer,
-    forward, backward) per micro-batch, optimizer; ``talks`` are communication calls.
+def _decode_stamps(
+    stamps: list[float], talks: list[tuple[int, float]], per_micro: int = 2
+) -> np.ndarray:
+    """Per-step rows of phase durations from host stamps: -start, data, (forward,
+    backward) per micro-batch — (transfer, forward, backward) when ``per_micro`` is 3
+    (an accelerator timed on the host, e.g. MPS) — then optimizer; ``talks`` are
+    communication calls.
     A step without its optimizer stamp (the fetch that found the epoch empty) is
     dropped. Vectorized: an epoch's steps are decoded in a few array operations."""
     at = np.fromiter(stamps, np.float64, len(stamps))
@@ -185,11 +204,11 @@ def _decode_stamps(stamps: list[float], talks: list[tuple[int, float]]) -> np.nd
     talk_s = _talk_per_step(starts, talks)
     decoded, order = [], []
     for length in np.unique(lengths):  # one length, unless micro-batches per step vary
-        if length < 6 or length % 3:
+        if length < 3 + per_micro or (length - 3) % per_micro:
             continue
         chosen = np.flatnonzero(lengths == length)
         group = at[starts[chosen, None] + np.arange(length)]
-        decoded.append(_durations(group, talk_s[chosen]))
+        decoded.append(_durations(group, talk_s[chosen], per_micro))
         order.append(chosen)
     if not decoded:
         return np.zeros((0, len(_COLUMNS)))
@@ -209,14 +228,14 @@ def _talk_per_step(starts: np.ndarray, talks: list[tuple[int, float]]) -> np.nda
     return talk_s
 
 
-def _durations(group: np.ndarray, talk_s: np.ndarray) -> np.ndarray:
+def _durations(group: np.ndarray, talk_s: np.ndarray, per_micro: int) -> np.ndarray:
     """Rows for steps of the same number of stamps (``group``: one step's stamps a row)."""
-    laps = np.diff(group[:, 1:], axis=1)  # (transfer, forward, backward) × m, optimizer
-    micro = laps[:, :-1].reshape(len(group), -1, 3).sum(axis=1)
-    rows = np.empty((len(group), len(_COLUMNS)))
+    laps = np.diff(group[:, 1:], axis=1)  # ((transfer,) forward, backward) × m, optimizer
+    micro = laps[:, :-1].reshape(len(group), -1, per_micro).sum(axis=1)
+    rows = np.zeros((len(group), len(_COLUMNS)))  # transfer stays 0 on the CPU
     rows[:, _DATA] = np.maximum(group[:, 1] + group[:, 0] - talk_s, 0.0)
     rows[:, _TALK] = talk_s
-    rows[:, _TALK + 1 : _TALK + 4] = micro
+    rows[:, _TALK + 4 - per_micro : _TALK + 4] = micro
     rows[:, -1] = laps[:, -1]
     return rows
 

@@ -17,6 +17,9 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
     A tuple or list is ``(inputs, targets, *extra)``: extra fields (metadata) ride
     along unused. A mapping holds ``inputs`` and ``targets`` keys.
     """
+    kind = type(batch)
+    if (kind is tuple or kind is list) and len(batch) >= 2:  # the common case, checked first
+        return batch[0], batch[1]
     if isinstance(batch, Mapping):
         if "inputs" in batch and "targets" in batch:
             return batch["inputs"], batch["targets"]
@@ -34,7 +37,7 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
 
 def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
     """Call the model: a dict of inputs as keyword arguments, anything else as one argument."""
-    if isinstance(inputs, Mapping):
+    if type(inputs) is not torch.Tensor and isinstance(inputs, Mapping):
         return model(**inputs)
     return model(inputs)
 

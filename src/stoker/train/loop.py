@@ -137,7 +137,8 @@ class Loop:
         """Step 2, transfer: every tensor of ``batch`` to the training device.
 
         non_blocking overlaps the copy with compute when the batch is pinned. Training on
-        the CPU the batch is already there: it is passed through without walking it.
+        the CPU the batch is already there: it is passed through without walking it, and
+        the transfer phase is reported as 0 (the timer takes no stamp for it).
         """
         if self.device.type == "cpu":
             return batch
@@ -165,23 +166,39 @@ class Loop:
 class StepWindow:
     """Sums since the last step-level record, kept on the device (no per-step sync).
 
-    The loss of every step that was not skipped is summed. The gradient norm is measured
+    The loss of every step that was not skipped is kept, and summed when the window is
+    recorded (one stack and sum, not an add per step). The gradient norm is measured
     on the window's first step that updates the parameters (and on every step when
     clipping by norm needs it anyway): measuring it is a pass over every gradient, too
     dear to pay on each step for a figure recorded every ``log_every_steps``.
     """
 
-    loss: torch.Tensor
     grad_norm: torch.Tensor
+    #: The step losses (0-d float32 tensors) of the steps that were not skipped.
+    step_losses: list[torch.Tensor] = field(default_factory=list)
     steps: int = 0
-    losses: int = 0  # steps whose loss is in `loss` (skipped steps are not)
     norms: int = 0  # steps whose norm is in `grad_norm`
     samples: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def empty(cls, device: torch.device) -> StepWindow:
-        return cls(torch.zeros((), device=device), torch.zeros((), device=device))
+        return cls(torch.zeros((), device=device))
+
+    @property
+    def losses(self) -> int:
+        """Steps whose loss is in the window (skipped steps are not)."""
+        return len(self.step_losses)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The sum of the window's step losses, on the device."""
+        if not self.step_losses:
+            return torch.zeros((), device=self.grad_norm.device)
+        return torch.stack(self.step_losses).sum()
+
+
+_END = object()  # what next() returns once the epoch has no batch left
 
 
 def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow) -> int:
@@ -189,6 +206,8 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
 
     Returns how many micro-batches it used: 0 when the epoch had none left.
     """
+    if loop.grad_accum_steps == 1:
+        return _train_single(loop, batches, metrics, window)
     state, timer = loop.state, loop.timer
     # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
     timer.start_step()
@@ -201,11 +220,13 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     step_count = sum(sizes)
     last = len(pairs) - 1
     step_loss: torch.Tensor | None = None
+    times_transfer = timer.times_transfer
 
     for index, (pair, size) in enumerate(zip(pairs, sizes, strict=True)):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
         inputs, targets = loop.to_device(pair)
-        timer.lap("transfer")
+        if times_transfer:  # on the CPU there is nothing to time: transfer is 0
+            timer.lap("transfer")
         # Under DDP only the step's last backward all-reduces the gradients.
         with loop.no_sync() if loop.no_sync is not None and index < last else _NO_CONTEXT:
             # 3. Forward and 4. loss, in the run's precision.
@@ -218,55 +239,111 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
             # micro-batch or group. A lone micro-batch has weight 1: no multiply (the
             # gradient is bitwise the same).
             loop.precision.backward(loss if last == 0 else loss * (size / step_count))
-        metrics.update(outputs, targets, loss, size)
-        weighted = loss.detach().float()
+        detached = loss.detach()
+        metrics.update(outputs, targets, detached, size)
+        weighted = detached.float()
         if last:
             weighted = weighted * (size / step_count)
         step_loss = weighted if step_loss is None else step_loss + weighted
         state.micro_step += 1
         timer.lap("backward")
     assert step_loss is not None  # there was at least one micro-batch
-
-    # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
-    # or the optimizer touch anything: the step's one CPU–GPU sync point.
-    loop.precision.unscale_(loop.optimizer)
-    verdict = check_step(loop, step_loss, metrics, batches=len(pairs))
-    norm = None
-    if verdict == "ok":
-        # 7. Measure the norm (when recorded or needed), clip, step the optimizer.
-        loop.health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
-        norm = _clip(loop, wanted=window.norms == 0)
-        loop.precision.step(loop.optimizer)
-        loop.numerics.stepped()
-    elif verdict == "overflow":
-        overflow_step(loop)  # fp16: the scaler skips the step and lowers its scale
-    else:
-        loop.precision.skip_step(loop.optimizer)  # on_nonfinite=skip: nothing is updated
-    loop.optimizer.zero_grad(set_to_none=True)
-    # 8. Schedule: the lr moves once per step, a skipped one too (as with fp16 overflow).
-    loop.scheduler.step()
-    timer.lap("optimizer")
-    timer.end_step()
-    if verdict == "ok" and (health := loop.health.after_step(loop.model)):  # sampled steps
-        loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health})
-
-    # 9. Record, on the device; read only every `log_every_steps`.
-    state.step += 1
     step_samples = (
         step_count  # already counted samples for the loss weights
         if loop.normalize == "samples"
         else sum(batch_size_of(targets) for _, targets in pairs)
     )
-    state.samples_seen += step_samples
+    _update(loop, step_loss, metrics, window, batches=len(pairs), samples=step_samples)
+    return len(pairs)
+
+
+def _train_single(
+    loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
+) -> int:
+    """``train_step`` for ``grad_accum_steps=1``: the same step, with no lists of
+    micro-batches, no weights and no ``no_sync`` (a lone backward always all-reduces)."""
+    timer = loop.timer
+    # 1. Fetch; the time blocked here is the data wait.
+    timer.start_step()
+    batch = next(batches, _END)
+    timer.data_ready()
+    if batch is _END:
+        return 0
+    inputs, targets = split_batch(batch)
+    size = _count(loop, targets)  # on the host still: counting tokens costs no sync
+    # 2. Transfer (a pass-through on the CPU, where there is nothing to time).
+    if loop.device.type != "cpu":
+        inputs, targets = loop.to_device((inputs, targets))
+    if timer.times_transfer:
+        timer.lap("transfer")
+    precision = loop.precision
+    # 3. Forward and 4. loss, in the run's precision.
+    with precision.autocast():
+        outputs = forward(loop.model, inputs)
+        loss = _loss(loop, outputs, targets)
+    timer.lap("forward")
+    # 5. Backward: the batch's mean loss, unweighted.
+    precision.backward(loss)
+    step_loss = loss.detach()
+    metrics.update(outputs, targets, step_loss, size)
+    loop.state.micro_step += 1
+    timer.lap("backward")
+    samples = size if loop.normalize == "samples" else batch_size_of(targets)
+    if step_loss.dtype is not torch.float32:  # .float() of a float32 tensor still dispatches
+        step_loss = step_loss.float()
+    _update(loop, step_loss, metrics, window, batches=1, samples=samples)
+    return 1
+
+
+def _update(
+    loop: Loop,
+    step_loss: torch.Tensor,
+    metrics: TaskMetrics,
+    window: StepWindow,
+    *,
+    batches: int,
+    samples: int,
+) -> None:
+    """Steps 6 to 9 of a step whose gradients are accumulated: check, update, record."""
+    state, timer, precision, optimizer = loop.state, loop.timer, loop.precision, loop.optimizer
+    # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
+    # or the optimizer touch anything: the step's one CPU–GPU sync point.
+    precision.unscale_(optimizer)
+    verdict = check_step(loop, step_loss, metrics, batches=batches)
+    norm = None
+    sampled = False
+    if verdict == "ok":
+        # 7. Measure the norm (when recorded or needed), clip, step the optimizer.
+        health = loop.health
+        if health.every_n_steps and health.should_sample(state.step):
+            sampled = True
+            health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
+        if not window.norms or loop.clipper.clipping:
+            norm = _clip(loop, wanted=not window.norms)
+        precision.step(optimizer)
+        loop.numerics.stepped()
+    elif verdict == "overflow":
+        overflow_step(loop)  # fp16: the scaler skips the step and lowers its scale
+    else:
+        precision.skip_step(optimizer)  # on_nonfinite=skip: nothing is updated
+    optimizer.zero_grad(set_to_none=True)
+    # 8. Schedule: the lr moves once per step, a skipped one too (as with fp16 overflow).
+    loop.scheduler.step()
+    timer.lap("optimizer")
+    timer.end_step()
+    if sampled and (health_record := loop.health.after_step(loop.model)):
+        loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health_record})
+
+    # 9. Record, on the device; read only every `log_every_steps`.
+    state.step += 1
+    state.samples_seen += samples
     if verdict != "skipped":
-        window.loss += step_loss
-        window.losses += 1
+        window.step_losses.append(step_loss)
     if norm is not None:
         window.grad_norm += norm.float().to(loop.device)
         window.norms += 1
     window.steps += 1
-    window.samples += step_samples
-    return len(pairs)
+    window.samples += samples
 
 
 def _count(loop: Loop, targets: Any) -> int:
@@ -328,7 +405,10 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     )
     # On CUDA the next batch is copied on a side stream while this one computes.
     batches = iter(loop.prefetcher.wrap(loop.train_loader))
-    while not loop.out_of_steps():
+    # Read once for the epoch: what every step checks (each lookup costs on a tiny step).
+    max_steps, stop, log_every = loop.max_steps, loop.stop, loop.log_every_steps
+    checkpointing, advance = loop.on_step_checkpoint is not None, loop.progress.advance
+    while max_steps is None or state.step < max_steps:
         try:
             used = train_step(loop, batches, metrics, window)
         except RollbackNeeded as needed:
@@ -338,7 +418,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
             break
         steps += 1
         consumed += used
-        if _should_checkpoint(loop):
+        if checkpointing and _should_checkpoint(loop):
             loop.on_step_checkpoint(  # type: ignore[misc]
                 loop,
                 {
@@ -349,20 +429,20 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
                     "grad_norm_count": epoch_norms + window.norms,
                 },
             )
-        if loop.stop.requested:
+        if stop.requested:  # AgreedStop (distributed) has its own `requested`
             raise TrainingInterrupted(
-                f"stopped by {loop.stop.signal_name} after step {state.step} "
+                f"stopped by {stop.signal_name} after step {state.step} "
                 f"(epoch {state.epoch + 1}, batch {consumed})"
                 + ("; checkpoint saved" if loop.on_step_checkpoint else "; no checkpoint"),
                 hint="resume with --resume RUN_DIR (the run dir printed above)",
             )
-        if window.steps >= loop.log_every_steps:
+        if window.steps >= log_every:
             epoch_norm_sum += window.grad_norm
             epoch_norms += window.norms
             _record_window(loop, window)
             window = StepWindow.empty(loop.device)
         else:
-            loop.progress.advance(1)
+            advance(1)
     epoch_norm_sum += window.grad_norm
     epoch_norms += window.norms
     epoch_s = time.perf_counter() - started
@@ -420,9 +500,8 @@ def _record_window(loop: Loop, window: StepWindow) -> None:
     record: dict[str, Any] = {"epoch": loop.state.epoch, "step": loop.state.step}
     loss = None
     if window.losses:
-        loss_sum = window.loss
+        loss_sum = window.loss  # a new tensor: the all-reduce may change it in place
         if world > 1:
-            loss_sum = loss_sum.clone()
             torch.distributed.all_reduce(loss_sum)  # every rank records on the same steps
         loss = loss_sum.item() / (window.losses * world)
         record["train/loss"] = loss

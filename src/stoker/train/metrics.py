@@ -66,7 +66,10 @@ class TaskMetrics:
         """
         self.samples += count
         held = self._held
-        held.append((outputs.detach(), targets, loss.detach(), count))
+        # A loss the caller already detached is held as it is (detach makes a new tensor).
+        held.append(
+            (outputs.detach(), targets, loss.detach() if loss.requires_grad else loss, count)
+        )
         if len(held) >= self._hold:
             self._fold()
 

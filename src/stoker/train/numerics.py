@@ -132,7 +132,12 @@ class FiniteCheck:
                 groups.setdefault((parameter.device, parameter.dtype), []).append(parameter)
         flags = {device: torch.zeros((), device=device) for device, _ in groups}
         ones = {device: torch.ones((), device=device) for device in flags}
-        self._groups = [(group, flags[d], ones[d]) for (d, _), group in groups.items()]
+        # Whether a group holds sharded (DTensor) parameters, whose gradients are checked
+        # as this rank's shard; a plain group skips looking for ``to_local`` on each one.
+        self._groups = [
+            (group, flags[d], ones[d], any(_sharded(p) for p in group))
+            for (d, _), group in groups.items()
+        ]
         self._flags = list(flags.values())
         self._host = all(flag.device.type == "cpu" for flag in self._flags)
         fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
@@ -140,8 +145,11 @@ class FiniteCheck:
 
     def __call__(self, loss: torch.Tensor) -> tuple[bool, bool]:
         """``(loss finite, every gradient finite)``: the step's one CPU–GPU sync point."""
-        for group, flag, one in self._groups:
-            grads = [local_tensor(p.grad) for p in group if p.grad is not None]
+        for group, flag, one, sharded in self._groups:
+            if sharded:
+                grads = [local_tensor(p.grad) for p in group if p.grad is not None]
+            else:
+                grads = [p.grad for p in group if p.grad is not None]
             if not grads:
                 continue
             try:
@@ -152,7 +160,9 @@ class FiniteCheck:
                 _check_each(grads, flag, one)
         if self._host:
             # On the CPU two scalar reads cost less than stacking them.
-            verdict = math.isfinite(loss.item()), not any(flag.item() for flag in self._flags)
+            flags = self._flags
+            raised = flags[0].item() if len(flags) == 1 else any(f.item() for f in flags)
+            verdict = math.isfinite(loss.item()), not raised
         else:
             # On an accelerator the values travel together, in one transfer.
             together = [loss.detach().float().reshape(())]
@@ -165,6 +175,11 @@ class FiniteCheck:
         """Lower the flags after a step that raised them."""
         for flag in self._flags:
             flag.zero_()
+
+
+def _sharded(parameter: nn.Parameter) -> bool:
+    """Whether ``parameter`` is a DTensor (FSDP2): its gradient is one too."""
+    return callable(getattr(parameter, "to_local", None))
 
 
 def _check_each(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:

@@ -34,6 +34,19 @@ class Precision:
         self.device = device
         self.dtype = _DTYPES[name]
         self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
+        if not self.scaler.is_enabled():
+            self._bind_unscaled()
+
+    def _bind_unscaled(self) -> None:
+        """fp32 and bf16: bind what the disabled scaler's methods come down to, once.
+
+        ``GradScaler(enabled=False)`` returns the loss from ``scale``, returns at once from
+        ``unscale_`` and ``update``, and calls ``optimizer.step()`` from ``step``: the same
+        calls, without its checks on every micro-batch and step.
+        """
+        self.backward = torch.Tensor.backward  # type: ignore[method-assign]
+        self.unscale_ = _nothing  # type: ignore[method-assign]
+        self.step = _step  # type: ignore[method-assign]
 
     @property
     def scaling(self) -> bool:
@@ -87,3 +100,11 @@ class Precision:
                 hint=f"set train.precision={state.get('name')} to resume it",
             )
         self.scaler.load_state_dict(state["scaler"])
+
+
+def _nothing(optimizer: torch.optim.Optimizer) -> None:
+    """``unscale_`` without scaling: the gradients are already true."""
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()

@@ -43,8 +43,9 @@ def _step(
     optimizer: float = 0.004,
 ) -> None:
     """One step in the loop's order; the fetch takes ``fetch`` s, of which ``talks`` are
-    collectives (as RankSyncedLoader reports them)."""
-    clock.steps += [0.0, fetch] + [lap] * (3 * micro) + [optimizer]
+    collectives (as RankSyncedLoader reports them). On the CPU ``lap("transfer")`` takes
+    no clock read: two per micro-batch."""
+    clock.steps += [0.0, fetch] + [lap] * (2 * micro) + [optimizer]
     timer.start_step()
     for seconds in talks:
         timer.communication(seconds)
@@ -71,7 +72,8 @@ def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> 
     assert stats["data_wait"].median_s == pytest.approx(0.020)
     assert stats["forward"].total_s == pytest.approx(0.001 * 5)
     assert stats["optimizer"].p95_s == pytest.approx(0.004)
-    steps = [0.010 + 0.007, 0.020 + 0.013, 0.030 + 0.007]
+    assert stats["transfer"].total_s == 0.0  # no copy on the CPU
+    steps = [0.010 + 0.006, 0.020 + 0.010, 0.030 + 0.006]
     assert stats["step"].median_s == pytest.approx(statistics.median(steps))
     assert stats["step"].total_s == pytest.approx(sum(steps))
     assert COMMUNICATION not in stats  # a single-process run reports what it always did
@@ -91,11 +93,11 @@ def test_communication_is_taken_out_of_the_data_wait(clock) -> None:
     stats = timer.summary()
     assert stats[COMMUNICATION].total_s == pytest.approx(4 * 0.018)
     assert stats["data_wait"].median_s == pytest.approx(0.002)
-    assert stats["step"].median_s == pytest.approx(0.020 + 6 * 0.001 + 0.004)
+    assert stats["step"].median_s == pytest.approx(0.020 + 4 * 0.001 + 0.004)
     assert sum(stats[p].share for p in stats if p != "step") == pytest.approx(1.0)
     record = timing_record(stats)
     assert record["time/communication_s"] == pytest.approx(0.072)
-    assert record["time/data_stall_pct"] == pytest.approx(100 * 0.002 / 0.030)
+    assert record["time/data_stall_pct"] == pytest.approx(100 * 0.002 / 0.028)
 
 
 def test_communication_of_the_empty_last_fetch_is_dropped_with_it(clock) -> None:
@@ -123,7 +125,7 @@ def test_epochs_keep_their_own_communication(clock) -> None:
 def test_a_rank_waiting_for_others_is_not_input_bound(clock) -> None:
     timer = PhaseTimer(torch.device("cpu"))
     for _ in range(5):
-        _step(timer, clock, fetch=0.050, talks=(0.049,), optimizer=0.004)
+        _step(timer, clock, fetch=0.050, talks=(0.049,), optimizer=0.005)
     stats = timer.summary()
     verdict = judge(stats, num_workers=2, device_type="cpu")
     # 86% of the step waiting for the other ranks: that, not data, is what bounds it.
@@ -157,3 +159,21 @@ def test_communication_on_cuda_is_a_host_time_taken_out_of_the_data_wait() -> No
     assert stats[COMMUNICATION].total_s == pytest.approx(0.009)
     assert stats["data_wait"].median_s == pytest.approx(0.002, abs=0.002)
     assert timing_record(stats)["time/communication_s"] == pytest.approx(0.009)
+
+
+def test_a_host_timed_accelerator_keeps_its_transfer_stamp(clock) -> None:
+    timer = PhaseTimer(torch.device("meta"))  # not the CPU, not CUDA: stamps on the host
+    assert timer.times_transfer
+    clock.steps += [0.0, 0.010, 0.003, 0.001, 0.002, 0.004]
+    timer.start_step()
+    timer.data_ready()
+    timer.lap("transfer")
+    timer.lap("forward")
+    timer.lap("backward")
+    timer.lap("optimizer")
+    timer.end_step()
+    stats = timer.summary()
+    assert stats["transfer"].total_s == pytest.approx(0.003)
+    assert stats["forward"].total_s == pytest.approx(0.001)
+    assert stats["backward"].total_s == pytest.approx(0.002)
+    assert stats["step"].total_s == pytest.approx(0.020)
