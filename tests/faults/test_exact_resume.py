@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from bitwise import assert_bitwise_equal
 
 from stoker.checkpoint import find_latest, load_checkpoint
 
@@ -28,21 +28,6 @@ def _final_state(run_dir: Path) -> dict:
     bundle = load_checkpoint(find_latest(run_dir))
     return {key: bundle[key] for key in ("model", "optimizer", "scheduler", "precision",
                                          "train_state")}  # fmt: skip
-
-
-def _assert_bitwise_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
@@ -64,5 +49,5 @@ def test_killed_run_resumes_bitwise(tmp_path, reference, workers, kill_at) -> No
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = _run(run_dir, workers, kill_at, resume=True)
     assert resumed.returncode == 0, resumed.stderr
-    _assert_bitwise_equal(reference[workers], _final_state(run_dir))
+    assert_bitwise_equal(reference[workers], _final_state(run_dir))
     assert (run_dir / "model.safetensors").is_file()

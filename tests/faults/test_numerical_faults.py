@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from bitwise import assert_bitwise_equal
 from torch import nn
 
 import stoker
@@ -148,21 +149,6 @@ class _Messages:
     def end_epoch(self, *a, **k): ...
 
 
-def _assert_bitwise_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize(
     ("precision", "device"),
     [
@@ -192,8 +178,8 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
     assert train_step(loop, batches, metrics, window) == 1  # the poisoned step
     for before, after in zip(params, model.parameters(), strict=True):
         assert torch.equal(before, after)
-    _assert_bitwise_equal(optimizer_state, loop.optimizer.state_dict(), "optimizer")
-    _assert_bitwise_equal(scaler_state, loop.precision.state_dict(), "scaler")
+    assert_bitwise_equal(optimizer_state, loop.optimizer.state_dict(), "optimizer")
+    assert_bitwise_equal(scaler_state, loop.precision.state_dict(), "scaler")
     assert all(p.grad is None for p in model.parameters())
     assert loop.state.step == 2 and loop.numerics.skipped_steps == [2]
     # The skipped step's NaN is not in the epoch's metrics, nor in the window.

@@ -37,6 +37,7 @@ class Distributed:
         self.timeout_s = timeout_s
         self.backend = backend
         self.control: Any = None  # the gloo group for control messages
+        self.owns_group = False  # whether start() made the default group (and so ends it)
 
     @property
     def rank(self) -> int:
@@ -66,7 +67,9 @@ class Distributed:
         if backend == "nccl":
             torch.cuda.set_device(info.local_rank)
         timeout = timedelta(seconds=config.timeout_s)
-        if not dist.is_initialized():
+        started = cls(info, timeout_s=config.timeout_s, backend=backend)
+        if not dist.is_initialized():  # else: stoker.fit inside the user's own group
+            started.owns_group = True
             dist.init_process_group(
                 backend=backend,
                 store=_attempt_store(info, timeout),
@@ -74,15 +77,21 @@ class Distributed:
                 world_size=info.world_size,
                 timeout=timeout,
             )
-        started = cls(info, timeout_s=config.timeout_s, backend=backend)
         started.control = dist.new_group(backend="gloo", timeout=timeout)
         logger.debug("rank %d of %d joined (%s)", info.rank, info.world_size, backend)
         return started
 
     def close(self) -> None:
-        """Leave the process group (every rank, at the end of the run)."""
-        if self.enabled and dist.is_initialized():
+        """Leave the process group (every rank, at the end of the run).
+
+        A group the caller made before the run stays theirs: only the control group goes.
+        """
+        if not (self.enabled and dist.is_initialized()):
+            return
+        if self.owns_group:
             dist.destroy_process_group()
+        elif self.control is not None:
+            dist.destroy_process_group(self.control)
 
     # --- collectives ----------------------------------------------------------------------
 

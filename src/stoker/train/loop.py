@@ -15,6 +15,7 @@ from torch import nn
 
 from stoker.data.device import move_to_device
 from stoker.data.prefetch import DevicePrefetcher
+from stoker.data.samplers import rank_and_world_size
 from stoker.errors import TrainingError, TrainingInterrupted
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
@@ -494,7 +495,7 @@ def _record_window(loop: Loop, window: StepWindow) -> None:
     Distributed, the loss is averaged over the ranks and the throughput is all ranks'
     (every rank trains the same number of samples per step).
     """
-    world = _world_size()
+    world = rank_and_world_size()[1]
     elapsed = time.perf_counter() - window.started
     samples_per_s = window.samples * world / elapsed if elapsed > 0 else 0.0
     record: dict[str, Any] = {"epoch": loop.state.epoch, "step": loop.state.step}
@@ -511,11 +512,6 @@ def _record_window(loop: Loop, window: StepWindow) -> None:
     record["throughput/samples_per_s"] = samples_per_s
     loop.sink.log(record)
     loop.progress.advance(1, loss=loss, samples_per_s=samples_per_s)
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def run(loop: Loop) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from stoker.data.samplers import rank_and_world_size
+
 Task = Literal["classification", "regression"]
 
 #: On the CPU, how many steps' outputs and losses are held before they are folded into
@@ -157,7 +159,7 @@ class TaskMetrics:
         # Each to float64 on its own: stacking first would round the int64 count to float32.
         parts = [self._loss_sum, self._correct, self._abs_err, self._sq_err]
         sums = torch.cat([torch.stack([part.to(device, torch.float64) for part in parts]), counts])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if rank_and_world_size()[1] > 1:
             dist.all_reduce(sums)
         loss_sum, correct, abs_err, sq_err, n, has_accuracy = sums.tolist()
         return loss_sum, round(correct), abs_err, sq_err, round(n), has_accuracy > 0
