@@ -264,18 +264,15 @@ def _train_single(
     """``train_step`` for ``grad_accum_steps=1``: the same step, with no lists of
     micro-batches, no weights and no ``no_sync`` (a lone backward always all-reduces)."""
     timer = loop.timer
-    # 1. Fetch; the time blocked here is the data wait.
-    timer.start_step()
-    batch = next(batches, _END)
-    timer.data_ready()
+    # 1. Fetch; the time blocked here is the data wait (and the step before ends).
+    batch = timer.fetch(batches, _END)
     if batch is _END:
         return 0
     inputs, targets = split_batch(batch)
     size = _count(loop, targets)  # on the host still: counting tokens costs no sync
-    # 2. Transfer (a pass-through on the CPU, where there is nothing to time).
-    if loop.device.type != "cpu":
-        inputs, targets = loop.to_device((inputs, targets))
+    # 2. Transfer: none on the CPU, where the timer takes no stamp for it either.
     if timer.times_transfer:
+        inputs, targets = loop.to_device((inputs, targets))
         timer.lap("transfer")
     precision = loop.precision
     # 3. Forward and 4. loss, in the run's precision.
@@ -306,7 +303,7 @@ def _update(
     samples: int,
 ) -> None:
     """Steps 6 to 9 of a step whose gradients are accumulated: check, update, record."""
-    state, timer, precision, optimizer = loop.state, loop.timer, loop.precision, loop.optimizer
+    state, precision, optimizer = loop.state, loop.precision, loop.optimizer
     # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
     # or the optimizer touch anything: the step's one CPU–GPU sync point.
     precision.unscale_(optimizer)
@@ -330,10 +327,11 @@ def _update(
     optimizer.zero_grad(set_to_none=True)
     # 8. Schedule: the lr moves once per step, a skipped one too (as with fp16 overflow).
     loop.scheduler.step()
-    timer.lap("optimizer")
-    timer.end_step()
-    if sampled and (health_record := loop.health.after_step(loop.model)):
-        loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health_record})
+    # The optimizer phase runs on to the next fetch: it holds the record below too.
+    if sampled:
+        loop.timer.close_step()  # the update ratios below are measuring, not training
+        if health_record := loop.health.after_step(loop.model):
+            loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health_record})
 
     # 9. Record, on the device; read only every `log_every_steps`.
     state.step += 1
@@ -420,6 +418,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         steps += 1
         consumed += used
         if checkpointing and _should_checkpoint(loop):
+            loop.timer.close_step()  # a save is no step's time
             loop.on_step_checkpoint(  # type: ignore[misc]
                 loop,
                 {
@@ -438,12 +437,14 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
                 hint="resume with --resume RUN_DIR (the run dir printed above)",
             )
         if window.steps >= log_every:
+            loop.timer.close_step()  # nor is the record (a sync point on a GPU)
             epoch_norm_sum += window.grad_norm
             epoch_norms += window.norms
             _record_window(loop, window)
             window = StepWindow.empty(loop.device)
         else:
             advance(1)
+    loop.timer.close_step()  # the last step, when max_steps (not the data) ended the epoch
     epoch_norm_sum += window.grad_norm
     epoch_norms += window.norms
     epoch_s = time.perf_counter() - started

@@ -43,19 +43,19 @@ def _step(
     optimizer: float = 0.004,
 ) -> None:
     """One step in the loop's order; the fetch takes ``fetch`` s, of which ``talks`` are
-    collectives (as RankSyncedLoader reports them). On the CPU ``lap("transfer")`` takes
-    no clock read: two per micro-batch."""
-    clock.steps += [0.0, fetch] + [lap] * (2 * micro) + [optimizer]
-    timer.start_step()
+    collectives (as RankSyncedLoader reports them). On the CPU there is no transfer to
+    time: two clock reads per micro-batch. The optimizer's time is what the next clock read
+    (the next step's start, or ``close_step``) finds has passed."""
+    timer.start_step()  # ends the step before, reading its optimizer time
+    clock.steps += [fetch] + [lap] * (2 * micro) + [optimizer]
     for seconds in talks:
         timer.communication(seconds)
     timer.data_ready()
     for _ in range(micro):
-        timer.lap("transfer")
+        if timer.times_transfer:  # as the loop: the CPU has no copy to time
+            timer.lap("transfer")
         timer.lap("forward")
         timer.lap("backward")
-    timer.lap("optimizer")
-    timer.end_step()
 
 
 def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> None:
@@ -63,8 +63,8 @@ def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> 
     _step(timer, clock, fetch=0.010, micro=1)
     _step(timer, clock, fetch=0.020, micro=3)
     _step(timer, clock, fetch=0.030, micro=1)
-    clock.steps += [0.0, 0.005]
     timer.start_step()  # the fetch that found the epoch empty: not a step
+    clock.steps += [0.005]
     timer.data_ready()
     stats = timer.summary()
     assert timer.steps == 3
@@ -90,6 +90,7 @@ def test_communication_is_taken_out_of_the_data_wait(clock) -> None:
     for _ in range(4):
         # 20 ms fetch: 18 ms of it waiting for the other ranks, in two collectives
         _step(timer, clock, fetch=0.020, talks=(0.012, 0.006), micro=2)
+    timer.close_step()
     stats = timer.summary()
     assert stats[COMMUNICATION].total_s == pytest.approx(4 * 0.018)
     assert stats["data_wait"].median_s == pytest.approx(0.002)
@@ -104,8 +105,8 @@ def test_communication_of_the_empty_last_fetch_is_dropped_with_it(clock) -> None
     timer = PhaseTimer(torch.device("cpu"))
     timer.communication(0.5)  # before any step (set_epoch's check): no step's
     _step(timer, clock, fetch=0.010, talks=(0.004,))
-    clock.steps += [0.0, 0.003]
     timer.start_step()
+    clock.steps += [0.003]
     timer.communication(0.003)  # the ranks agreed that the epoch is over
     timer.data_ready()
     stats = timer.summary()
@@ -118,6 +119,7 @@ def test_epochs_keep_their_own_communication(clock) -> None:
     _step(timer, clock, fetch=0.010, talks=(0.004,))
     timer.reset()
     _step(timer, clock, fetch=0.010)
+    timer.close_step()
     assert COMMUNICATION not in timer.summary()
     assert timer.summary(whole_run=True)[COMMUNICATION].total_s == pytest.approx(0.004)
 
@@ -126,6 +128,7 @@ def test_a_rank_waiting_for_others_is_not_input_bound(clock) -> None:
     timer = PhaseTimer(torch.device("cpu"))
     for _ in range(5):
         _step(timer, clock, fetch=0.050, talks=(0.049,), optimizer=0.005)
+    timer.close_step()
     stats = timer.summary()
     verdict = judge(stats, num_workers=2, device_type="cpu")
     # 86% of the step waiting for the other ranks: that, not data, is what bounds it.
@@ -151,11 +154,13 @@ def test_communication_on_cuda_is_a_host_time_taken_out_of_the_data_wait() -> No
         while timing.time.perf_counter() < wait_until:
             pass
         timer.data_ready()
-        for phase in PHASES[1:]:
+        for phase in PHASES[1:-1]:
             x = x @ x / 256
             timer.lap(phase)
-        timer.end_step()
+        x = x @ x / 256  # the optimizer phase: until the next fetch
+    timer.close_step()
     stats = timer.summary()
+    assert timer.steps == 3 and stats["optimizer"].total_s > 0
     assert stats[COMMUNICATION].total_s == pytest.approx(0.009)
     assert stats["data_wait"].median_s == pytest.approx(0.002, abs=0.002)
     assert timing_record(stats)["time/communication_s"] == pytest.approx(0.009)
@@ -170,10 +175,67 @@ def test_a_host_timed_accelerator_keeps_its_transfer_stamp(clock) -> None:
     timer.lap("transfer")
     timer.lap("forward")
     timer.lap("backward")
-    timer.lap("optimizer")
-    timer.end_step()
+    timer.close_step()
     stats = timer.summary()
     assert stats["transfer"].total_s == pytest.approx(0.003)
     assert stats["forward"].total_s == pytest.approx(0.001)
     assert stats["backward"].total_s == pytest.approx(0.002)
     assert stats["step"].total_s == pytest.approx(0.020)
+
+
+def test_the_optimizer_phase_runs_to_the_next_fetch_unless_the_step_is_closed(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, clock, fetch=0.010, optimizer=0.004)
+    _step(timer, clock, fetch=0.010, optimizer=0.006)
+    timer.close_step()  # e.g. before a checkpoint save: 0.5 s that is no step's
+    clock.steps += [0.5]
+    _step(timer, clock, fetch=0.010, optimizer=0.002)
+    timer.close_step()
+    timer.close_step()  # a second close adds nothing
+    stats = timer.summary()
+    assert timer.steps == 3
+    assert stats["optimizer"].total_s == pytest.approx(0.004 + 0.006 + 0.002)
+    assert stats["step"].total_s == pytest.approx(3 * 0.012 + 0.012)
+
+
+def test_a_step_still_open_at_a_summary_is_kept_for_the_next(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, clock, fetch=0.010, talks=(0.003,))
+    _step(timer, clock, fetch=0.020, talks=(0.005,), optimizer=0.007)
+    assert timer.steps == 1  # the second has not ended: its optimizer runs on
+    first = timer.summary()
+    assert first[COMMUNICATION].total_s == pytest.approx(0.003)
+    timer.close_step()
+    stats = timer.summary()
+    assert timer.steps == 2
+    assert stats[COMMUNICATION].total_s == pytest.approx(0.008)
+    assert stats["data_wait"].total_s == pytest.approx(0.007 + 0.015)
+    assert stats["optimizer"].total_s == pytest.approx(0.004 + 0.007)
+
+
+def test_reset_ends_an_open_step_before_the_next_epoch(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    _step(timer, clock, fetch=0.010, optimizer=0.004)
+    timer.reset()
+    clock.steps += [1.0]  # validation between the epochs
+    _step(timer, clock, fetch=0.010, optimizer=0.004)
+    timer.close_step()
+    assert timer.summary(whole_run=True)["step"].total_s == pytest.approx(2 * 0.016)
+
+
+def test_fetch_is_start_next_and_data_ready_in_one_call(clock) -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    end = object()
+    batches = iter([1, 2])
+    clock.steps += [0.0]  # the first fetch's start
+    for expected in (1, 2):
+        clock.steps += [0.003]  # the fetch's wait (read by its data-ready stamp)
+        assert timer.fetch(batches, end) == expected
+        clock.steps += [0.001, 0.002, 0.004]
+        timer.lap("forward")
+        timer.lap("backward")
+    assert timer.fetch(batches, end) is end  # ends the second step; itself no step
+    stats = timer.summary()
+    assert timer.steps == 2
+    assert stats["data_wait"].total_s == pytest.approx(0.006)
+    assert stats["optimizer"].total_s == pytest.approx(0.008)
