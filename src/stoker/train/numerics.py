@@ -114,6 +114,10 @@ class FiniteCheck:
     microsecond on the CPU for a small model, where ``get_total_norm`` costs twenty. The
     flags stay on the device, and are only set, never cleared, by the check: a step that
     finds them raised calls :meth:`reset` (no zeroing kernel on every step).
+
+    On the CPU with one group of parameters (the usual case) the flag is read through a
+    numpy view of its memory, and the loss with one ``item``: no stacking, no dispatch
+    but the kernel's and that read.
     """
 
     def __init__(
@@ -140,36 +144,47 @@ class FiniteCheck:
         ]
         self._flags = list(flags.values())
         self._host = all(flag.device.type == "cpu" for flag in self._flags)
+        # The one plain group on the CPU, if that is all there is: the fast path.
+        self._single = self._groups[0] if self._host and len(self._groups) == 1 else None
+        if self._single is not None and self._single[3]:
+            self._single = None
+        if self._single is not None:
+            self._view = self._single[1].numpy()  # shares the flag's memory
         fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
         self._fused: Callable[..., None] = fused if fused is not None else _check_each
 
     def __call__(self, loss: torch.Tensor) -> tuple[bool, bool]:
         """``(loss finite, every gradient finite)``: the step's one CPU–GPU sync point."""
-        for group, flag, one, sharded in self._groups:
-            if sharded:
-                grads = [local_tensor(p.grad) for p in group if p.grad is not None]
-            else:
-                grads = [p.grad for p in group if p.grad is not None]
-            if not grads:
-                continue
-            try:
-                self._fused(grads, flag, one)
-            except (NotImplementedError, RuntimeError):
-                # Sparse gradients (nn.Embedding(sparse=True)): one check per tensor from now.
-                self._fused = _check_each
-                _check_each(grads, flag, one)
-        if self._host:
-            # On the CPU two scalar reads cost less than stacking them.
-            flags = self._flags
-            raised = flags[0].item() if len(flags) == 1 else any(f.item() for f in flags)
-            verdict = math.isfinite(loss.item()), not raised
+        if self._single is not None:
+            group, flag, one, _ = self._single
+            self._run([p.grad for p in group if p.grad is not None], flag, one)
+            verdict = math.isfinite(loss.item()), not self._view.item()
         else:
-            # On an accelerator the values travel together, in one transfer.
-            together = [loss.detach().float().reshape(())]
-            together += [flag.to(loss.device) for flag in self._flags]
-            first, *rest = torch.stack(together).tolist()
-            verdict = math.isfinite(first), not any(rest)
+            for group, flag, one, sharded in self._groups:
+                grads = [p.grad for p in group if p.grad is not None]
+                self._run([local_tensor(g) for g in grads] if sharded else grads, flag, one)
+            if self._host:
+                # On the CPU two scalar reads cost less than stacking them.
+                raised = any(flag.item() for flag in self._flags)
+                verdict = math.isfinite(loss.item()), not raised
+            else:
+                # On an accelerator the values travel together, in one transfer.
+                together = [loss.detach().float().reshape(())]
+                together += [flag.to(loss.device) for flag in self._flags]
+                first, *rest = torch.stack(together).tolist()
+                verdict = math.isfinite(first), not any(rest)
         return self._agree(*verdict) if self._agree is not None else verdict
+
+    def _run(self, grads: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> None:
+        """Raise ``flag`` if any of ``grads`` is not finite (and leave their bits alone)."""
+        if not grads:
+            return
+        try:
+            self._fused(grads, flag, one)
+        except (NotImplementedError, RuntimeError):
+            # Sparse gradients (nn.Embedding(sparse=True)): one check per tensor from now.
+            self._fused = _check_each
+            _check_each(grads, flag, one)
 
     def reset(self) -> None:
         """Lower the flags after a step that raised them."""
@@ -436,7 +451,7 @@ def check_step(
     non-finite gradient; ``rollback`` raises RollbackNeeded (``train_epoch`` restores
     the checkpoint); ``skip`` counts the step and returns "skipped".
     """
-    check = loop.finite_check()
+    check = loop._finite or loop.finite_check()  # built on the first step
     loss_ok, grads_ok = check(step_loss)  # the CPU–GPU sync point
     guard = loop.numerics
     if not grads_ok:

@@ -97,10 +97,17 @@ class ConstantLR(LambdaLR):
     LambdaLR's ``step`` calls the multiplier and sets every group's lr again — to the same
     value — which costs about 2 µs, near 1% of a small model's step, for nothing. The
     state is LambdaLR's (the multiplier is 1), so checkpoints load into either.
+
+    Nor does it wrap ``optimizer.step``: LRScheduler wraps it in a Python function on
+    every step so that ``LRScheduler.step`` can warn when called before any
+    ``optimizer.step``, a warning this schedule, which never changes the lr, does not give.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        own_step = "step" in vars(optimizer)  # e.g. another scheduler's wrapper: kept
         super().__init__(optimizer, _constant)  # its first step is this class's: it counts
+        if not own_step and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+            del optimizer.step  # the class's step again
         self._last_lr = [group["lr"] for group in optimizer.param_groups]
 
     def step(self, epoch: int | None = None) -> None:

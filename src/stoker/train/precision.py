@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ class Precision:
         """
         self.backward = torch.Tensor.backward  # type: ignore[method-assign]
         self.unscale_ = _nothing  # type: ignore[method-assign]
-        self.step = _step  # type: ignore[method-assign]
+        self.step = _STEP  # type: ignore[method-assign]
 
     @property
     def scaling(self) -> bool:
@@ -106,5 +107,5 @@ def _nothing(optimizer: torch.optim.Optimizer) -> None:
     """``unscale_`` without scaling: the gradients are already true."""
 
 
-def _step(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.step()
+#: ``_STEP(optimizer)`` calls ``optimizer.step()`` with no Python frame of its own.
+_STEP = operator.methodcaller("step")

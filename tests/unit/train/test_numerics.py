@@ -38,6 +38,22 @@ def test_finite_check_finds_nan_in_any_dtype_and_leaves_gradients_bitwise_alone(
     assert check(torch.tensor(float("inf"))) == (False, True)
 
 
+def test_finite_check_of_one_cpu_group_tells_the_loss_and_the_gradients_apart() -> None:
+    params = _with_grads(torch.randn(3), torch.randn(2))  # one float32 group on the CPU
+    check = FiniteCheck(params)
+    before = [p.grad.clone() for p in params]
+    assert check(torch.tensor(0.5)) == (True, True)
+    assert all(torch.equal(old, p.grad) for old, p in zip(before, params, strict=True))
+    assert check(torch.tensor(float("nan"))) == (False, True)
+    assert check(torch.tensor(0.5)) == (True, True)
+    params[0].grad[1] = float("inf")
+    assert check(torch.tensor(0.5)) == (True, False)
+    assert check(torch.tensor(float("inf"))) == (False, False)
+    check.reset()
+    params[0].grad[1] = 0.0
+    assert check(torch.tensor(0.5)) == (True, True)
+
+
 def test_finite_check_handles_sparse_gradients_and_parameters_without_one() -> None:
     embedding = nn.Embedding(10, 3, sparse=True)
     frozen = nn.Parameter(torch.zeros(2))  # never gets a gradient

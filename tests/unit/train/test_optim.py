@@ -110,3 +110,15 @@ def test_a_constant_lr_steps_by_counting_and_keeps_lambdalrs_state() -> None:
     # A warmup or a decaying schedule needs the real thing.
     warm = build_scheduler(_optimizer(0.1), ScheduleConfig(warmup_steps=2), total_steps=10)
     assert not isinstance(warm, ConstantLR)
+
+
+def test_a_constant_lr_leaves_optimizer_step_unwrapped_but_keeps_a_wrapper_it_found() -> None:
+    optimizer = _optimizer(0.1)
+    ConstantLR(optimizer)
+    assert "step" not in vars(optimizer)  # the class's own step: no wrapper per call
+    assert optimizer.step.__func__ is torch.optim.SGD.step
+    # A schedule made first wrapped it; that wrapper stays (it warns for that schedule).
+    wrapped = _optimizer(0.1)
+    torch.optim.lr_scheduler.StepLR(wrapped, step_size=1)
+    ConstantLR(wrapped)
+    assert getattr(wrapped.step, "_wrapped_by_lr_sched", False)
