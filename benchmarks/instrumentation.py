@@ -1,24 +1,28 @@
 """What stoker's per-step measuring costs: the phase timer, and the rest of the bookkeeping.
 
+Everything is measured inside the seed workload's training loop, by paired neighbours
+(``in_loop.py``: every other step carries the piece; each such step is compared with
+the plain steps either side of it), because a piece costs two to five times more in a
+training step than in a tight ``timeit`` loop.
+
 Phase timing (``stoker.observe.timing.PhaseTimer``): the calls the loop makes every
-step on the CPU (``start_step``, ``data_ready``, three ``lap``s — forward, backward,
-optimizer; there is no transfer to time on the CPU — ``end_step``) plus the epoch's
-``summary``/``reset`` spread over its steps. Measured two ways, both against the
-seed workload's step (MLP 20→32→2, fused Adam, batch 64, pre-batched tensors):
+step on the CPU — ``fetch``, which stamps the step's start and the batch's arrival
+around ``next``, then ``lap`` after forward and after backward: four clock reads in
+three calls, as a step's start also ends the one before (there is no transfer to time
+on the CPU) — plus the epoch's ``close_step``/``summary``/``reset`` spread over its
+steps. Target: < 1% of the step, the median over the repeats. The same calls doing
+nothing are the control: they read the method's bias and the bare cost of the calls.
+The same calls in a tight loop are shown for comparison.
 
-- in the loop: the bare training loop, every other step making those calls (odd
-  steps in one epoch, even ones in the next); per repeat, the median timed step over
-  the median untimed step, minus 1; the figure is the median over the repeats, plus
-  the epoch summary's cost spread over an epoch's steps (target: < 1% of step time).
-  The same with calls that do nothing is the control: it reads the method's noise
-  (and the bare cost of six calls). The spread over the repeats is in the note;
-- alone: the same calls in a tight loop, in µs per step (a lower bound: in the loop
-  caches are colder, and each of the five clock reads costs several times more).
-
-The other per-step bookkeeping of ``stoker.train.loop.train_step`` — the non-finite
-check, running metrics, the lr scheduler, the step loss — is timed alone, per call, for
-the record; so is the total gradient norm, which the loop measures only on the first
-step of each ``log_every_steps`` window (or every step when clipping by norm).
+The rest of ``stoker.train.loop.train_step``'s bookkeeping, each piece in the loop the
+same way: the non-finite check (one fused kernel over the gradients and a read of the
+loss), the running metrics, the step loss kept for the step record; and the whole
+``train_step`` as ``stoker.fit`` builds it by default (fp32, constant lr, no clipping,
+``on_nonfinite=halt``, gradient health every 100 steps) against the seed's loop body —
+the trainer's own cost per step, without the noise of whole runs that
+``trainer.py``'s overhead figure carries. The total gradient norm, which the loop
+measures only on the first step of each ``log_every_steps`` window (or every step when
+clipping by norm), is timed alone.
 
     python benchmarks/instrumentation.py --out bench-out
 """
@@ -26,11 +30,13 @@ step of each ``log_every_steps`` window (or every step when clipping by norm).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,28 +52,33 @@ from common import (
     table,
     target_check,
 )
+from in_loop import BATCH, Piece, measure
 
-from stoker.config import OptimConfig, ScheduleConfig
+from stoker.data.prefetch import DevicePrefetcher
 from stoker.examples.datasets import seed_tabular
+from stoker.observe.progress import QuietProgress
+from stoker.observe.sinks import NullSink
+from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PHASES, PhaseTimer
+from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
+from stoker.train.loop import Loop, Monitor, StepWindow, train_step
 from stoker.train.metrics import TaskMetrics
 from stoker.train.numerics import FiniteCheck
-from stoker.train.optim import build_optimizer, build_scheduler
+from stoker.train.optim import ConstantLR
+from stoker.train.precision import Precision
+from stoker.train.state import TrainState
 
 TIMING_MAX_PCT = 1.0
-BATCH = 64
+CPU = torch.device("cpu")
 
 
-def timed_phases(timer: PhaseTimer) -> None:
+def timed_phases(timer: PhaseTimer, batches: Iterator[object]) -> None:
     """The PhaseTimer calls train_step makes in one step on the CPU (no gradient
     accumulation; no transfer lap: ``timer.times_transfer`` is False there)."""
-    timer.start_step()
-    timer.data_ready()
+    timer.fetch(batches)
     timer.lap("forward")
     timer.lap("backward")
-    timer.lap("optimizer")
-    timer.end_step()
 
 
 class NullTimer(PhaseTimer):
@@ -76,83 +87,131 @@ class NullTimer(PhaseTimer):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         # PhaseTimer binds fast per-instance calls on the CPU; use the no-op methods below.
-        for name in ("start_step", "data_ready", "lap", "end_step"):
+        for name in ("start_step", "data_ready", "fetch", "lap"):
             self.__dict__.pop(name, None)
 
-    def start_step(self) -> None:
-        pass
-
-    def data_ready(self) -> None:
-        pass
+    def fetch(self, batches: Iterator[Any], default: Any = None) -> Any:
+        return next(batches, default)
 
     def lap(self, phase: str) -> None:
         pass
 
-    def end_step(self) -> None:
-        pass
 
+def timer_piece(timer_class: type[PhaseTimer]) -> Callable[..., Piece]:
+    """The loop's PhaseTimer calls around the seed step; the epoch's summary after."""
 
-def alternating_epochs(
-    epochs: int, timer_class: type[PhaseTimer] | None = None
-) -> tuple[list[float], list[float]]:
-    """The bare loop over pre-batched tensors, its steps alternately timed and not.
+    def make(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> Piece:
+        timer = timer_class(CPU)
 
-    Every other step makes the PhaseTimer calls, so a burst of load from elsewhere
-    on the machine falls on both kinds alike; which of the two is timed flips from
-    epoch to epoch, so neither kind is always the one after the other. Returns the
-    step times (one step = stamp to stamp) of the timed and of the untimed steps.
-    """
-    arrays = seed_tabular()
-    features, labels = arrays.arrays
-    generator = torch.Generator().manual_seed(0)
-    model = seed_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-    loss_fn = nn.CrossEntropyLoss()
-    timer = (timer_class or PhaseTimer)(torch.device("cpu"))
-    clock = time.perf_counter
-    timed: list[float] = []
-    untimed: list[float] = []
-    for epoch in range(epochs):
-        order = torch.randperm(len(features), generator=generator).split(BATCH)
-        batches = [(features[i], labels[i]) for i in order]
-        timer.reset()
-        last = clock()
-        for index, (xb, yb) in enumerate(batches):
-            on = index % 2 == epoch % 2
-            if on:
-                timer.start_step()
-                timer.data_ready()
+        def step(batches: Iterator[Any]) -> None:
+            xb, yb = timer.fetch(batches)
             loss = loss_fn(model(xb), yb)
-            if on:
-                timer.lap("forward")
+            timer.lap("forward")
             optimizer.zero_grad()
             loss.backward()
-            if on:
-                timer.lap("backward")
+            timer.lap("backward")
             optimizer.step()
-            if on:
-                timer.lap("optimizer")
-                timer.end_step()
-            now = clock()
-            (timed if on else untimed).append(now - last)
-            last = now
-        timer.summary()  # what train_epoch reads once per epoch, outside the steps
-    return timed, untimed
+
+        def end_epoch() -> None:  # what train_epoch reads once per epoch, outside the steps
+            timer.close_step()
+            timer.summary()
+            timer.reset()
+
+        return Piece(step, end_epoch)
+
+    return make
 
 
-def in_loop_pcts(repeats: int, epochs: int) -> dict[str, list[float]]:
-    """Per repeat, the timed steps' median over the untimed steps', minus 1, in %: for
-    the PhaseTimer ("timer") and for the no-op control ("control"), run by turns; and
-    the untimed steps' median, in s ("step_s")."""
-    pcts: dict[str, list[float]] = {"timer": [], "control": [], "step_s": []}
-    alternating_epochs(1)  # warm-up
-    for repeat in range(repeats):
-        kinds = [("timer", PhaseTimer), ("control", NullTimer)]
-        for name, timer_class in kinds if repeat % 2 == 0 else kinds[::-1]:
-            timed, untimed = alternating_epochs(epochs, timer_class)
-            pcts[name].append((median(timed) / median(untimed) - 1) * 100)
-            pcts["step_s"].append(median(untimed))
-    return pcts
+def after_backward(
+    build: Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]],
+) -> Callable[..., Piece]:
+    """The seed step with a piece of bookkeeping between backward and the optimizer step
+    (where ``train_step`` does its own); ``build(model)`` makes the piece."""
+
+    def make(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> Piece:
+        piece = build(model)
+
+        def step(batches: Iterator[Any]) -> None:
+            xb, yb = next(batches)
+            outputs = model(xb)
+            loss = loss_fn(outputs, yb)
+            optimizer.zero_grad()
+            loss.backward()
+            piece(outputs, yb, loss)
+            optimizer.step()
+
+        return Piece(step)
+
+    return make
+
+
+def finite_check(model: nn.Module) -> Callable[..., object]:
+    check = FiniteCheck(list(model.parameters()))
+    return lambda outputs, targets, loss: check(loss)
+
+
+def running_metrics(model: nn.Module) -> Callable[..., object]:
+    metrics = TaskMetrics("classification")
+    return lambda outputs, targets, loss: metrics.update(outputs, targets, loss, BATCH)
+
+
+def step_loss(model: nn.Module) -> Callable[..., object]:
+    window = StepWindow.empty(CPU)
+
+    def keep(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> None:
+        nonlocal window
+        window.step_losses.append(loss.detach())
+        window.steps += 1
+        if window.steps == 50:  # the default log_every_steps: one stack and sum
+            window.loss  # noqa: B018 - the sum the step record reads
+            window = StepWindow.empty(CPU)
+
+    return keep
+
+
+def whole_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module
+) -> Piece:
+    """``train_step`` with what ``stoker.fit`` builds by default, on the same model and
+    optimizer; ``train_epoch``'s step records are left out (one in 50 steps)."""
+    loop = Loop(
+        model=model,
+        optimizer=optimizer,
+        scheduler=ConstantLR(optimizer),
+        precision=Precision("fp32", CPU),
+        clipper=GradClipper(),
+        loss_fn=loss_fn,
+        loss_name="cross_entropy",
+        task="classification",
+        train_loader=None,
+        val_loader=None,
+        device=CPU,
+        state=TrainState(),
+        sink=NullSink(),
+        progress=QuietProgress(),
+        monitor=Monitor("train/loss", "min"),
+        on_epoch_end=lambda loop, record: None,
+        timer=PhaseTimer(CPU),
+        system=SystemMonitor(CPU),
+        health=GradHealth(100, optimizer_kind="adam"),
+        prefetcher=DevicePrefetcher(CPU),
+        epochs=1,
+    )
+    parts = {"metrics": TaskMetrics("classification"), "window": StepWindow.empty(CPU)}
+
+    def step(batches: Iterator[Any]) -> None:
+        if parts["window"].steps >= 50:
+            parts["window"] = StepWindow.empty(CPU)
+        train_step(loop, batches, parts["metrics"], parts["window"])
+
+    def end_epoch() -> None:
+        parts["metrics"].compute("train")
+        parts["metrics"] = TaskMetrics("classification")
+        loop.timer.close_step()
+        loop.timer.summary()
+        loop.timer.reset()
+
+    return Piece(step, end_epoch)
 
 
 def summary_us_per_step(steps: int, repeat: int = 9) -> float:
@@ -161,9 +220,11 @@ def summary_us_per_step(steps: int, repeat: int = 9) -> float:
     costs = []
     for _ in range(repeat + 1):
         timer = PhaseTimer(torch.device("cpu"))
+        batches = iter(range(steps))
         for _ in range(steps):
-            timed_phases(timer)
+            timed_phases(timer, batches)
         started = time.perf_counter()
+        timer.close_step()
         timer.summary()
         timer.reset()
         costs.append((time.perf_counter() - started) * 1e6 / steps)
@@ -175,45 +236,22 @@ def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -
     return median([timeit.timeit(fn, number=number) / number * 1e6 for _ in range(repeat)])
 
 
-def bookkeeping_costs() -> dict[str, float]:
-    """The other per-step pieces of train_step, each timed alone (µs per call)."""
-    device = torch.device("cpu")
+def grad_norm_us() -> float:
+    """The total gradient norm alone (µs): measured on a window's first step only."""
     model = seed_model()
-    arrays = seed_tabular()
-    xb, yb = arrays.__getitems__(torch.arange(BATCH))
-    loss_fn = nn.CrossEntropyLoss()
-    outputs = model(xb)
-    loss = loss_fn(outputs, yb)
-    loss.backward()
-    optimizer = build_optimizer(model, OptimConfig(name="adam", lr=1e-2), device=device)
-    scheduler = build_scheduler(optimizer, ScheduleConfig(), total_steps=10**9)
-    optimizer.step()  # an optimizer step before the scheduler's, as in the loop
+    xb, yb = seed_tabular().__getitems__(torch.arange(BATCH))
+    nn.CrossEntropyLoss()(model(xb), yb).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     clipper = GradClipper()
-    metrics = TaskMetrics("classification")
-    params = list(model.parameters())
-    check = FiniteCheck(params)
-    step_loss = loss.detach().float()
-    window_losses: list[torch.Tensor] = []
-    log_every = 50  # the default train.log_every_steps
+    return per_call_us(lambda: clipper.measure(grads, wanted=True))
 
-    def grad_norm() -> None:  # on a window's first step (every step when clipping by norm)
-        clipper.measure([p.grad for p in params if p.grad is not None], wanted=True)
 
-    def step_loss_and_window() -> None:  # the step's loss, kept; summed once per window
-        window_losses.append(loss.detach().float())
-        if len(window_losses) == log_every:
-            torch.stack(window_losses).sum()
-            window_losses.clear()
-
-    pieces: dict[str, Callable[[], object]] = {
-        "non-finite check (FiniteCheck: loss + every gradient, one read)": lambda: check(step_loss),
-        # The loop passes the loss it detached once for the step loss too.
-        "TaskMetrics.update": lambda: metrics.update(outputs, yb, step_loss, BATCH),
-        "ConstantLR.step (constant schedule)": scheduler.step,
-        "step loss + window sum (one stack + sum per window)": step_loss_and_window,
-        "grad norm (GradClipper.measure; 1 step in log_every_steps)": grad_norm,
-    }
-    return {name: per_call_us(fn) for name, fn in pieces.items()}
+BOOKKEEPING: dict[str, Callable[..., Piece]] = {
+    "non-finite check (FiniteCheck)": after_backward(finite_check),
+    "running metrics (TaskMetrics.update)": after_backward(running_metrics),
+    "step loss kept for the step record": after_backward(step_loss),
+}
+WHOLE_STEP = "train_step (stoker.fit's defaults) over the seed's step"
 
 
 def main() -> None:
@@ -226,27 +264,37 @@ def main() -> None:
     repeats = args.rounds or 7
     epochs = 8
     print(
-        f"phase timer in the loop: {repeats} repeats of {epochs} epochs, every other step "
-        "timed, and the no-op control",
+        f"in the loop: {repeats} repeats of {epochs} epochs, every other step with the piece: "
+        "the phase timer, its no-op control, the bookkeeping and the whole train_step",
         flush=True,
     )
-    pcts = in_loop_pcts(repeats, epochs)
-    step_s = median(pcts["step_s"])
+    pieces: dict[str, Callable[..., Piece]] = {
+        "timer": timer_piece(PhaseTimer),
+        "control": timer_piece(NullTimer),
+        **BOOKKEEPING,
+        WHOLE_STEP: whole_train_step,
+    }
+    pcts, step_s = measure(pieces, repeats=repeats, epochs=epochs)
+    step_us = step_s * 1e6
     steps_per_epoch = -(-len(seed_tabular()) // BATCH)
     summary_us = summary_us_per_step(steps_per_epoch)
-    summary_pct = summary_us / (step_s * 1e6) * 100
+    summary_pct = summary_us / step_us * 100
+    # The piece's end_epoch already ran the summary, but outside the timed steps.
     in_loop_pct = median(pcts["timer"]) + summary_pct
-    control_pct = median(pcts["control"])
 
-    timer = PhaseTimer(torch.device("cpu"))
-    calls_us = per_call_us(lambda: timed_phases(timer), number=steps_per_epoch)
+    timer = PhaseTimer(CPU)
+    endless = itertools.repeat(None)
+    calls_us = per_call_us(lambda: timed_phases(timer, endless), number=steps_per_epoch)
     alone_us = calls_us + summary_us
 
     def spread(values: list[float]) -> str:
         return f"{min(values):+.2f}% to {max(values):+.2f}%"
 
+    def us(name: str) -> float:
+        return median(pcts[name]) * step_us / 100
+
     checks = [
-        info(bench, "seed step without timing (bare loop)", step_s * 1e6, unit="us"),
+        info(bench, "seed step (bare loop)", step_us, unit="us"),
         target_check(
             bench,
             "phase timing cost in the loop, % of step",
@@ -260,33 +308,35 @@ def main() -> None:
         info(
             bench,
             "control: the same with no-op timer calls, % of step",
-            control_pct,
+            median(pcts["control"]),
             unit="%",
-            note=f"the method's noise and 7 empty calls ({spread(pcts['control'])})",
+            note=f"the method's bias and 3 empty calls ({spread(pcts['control'])})",
         ),
         info(bench, "epoch summary per step (decode + statistics)", summary_us, unit="us"),
-        info(bench, "phase timing alone per step", alone_us, unit="us"),
-        info(bench, "phase timing alone, % of step", alone_us / (step_s * 1e6) * 100, unit="%"),
+        info(bench, "phase timing alone (tight loop) per step", alone_us, unit="us"),
     ]
-    costs = bookkeeping_costs()
-    for name, us in costs.items():
-        checks.append(info(bench, f"alone: {name}", us, unit="us"))
-    every_step = sum(us for name, us in costs.items() if not name.startswith("grad norm"))
+    for name in BOOKKEEPING:
+        checks.append(
+            info(bench, f"in the loop: {name}", us(name), unit="us", note=spread(pcts[name]))
+        )
     checks.append(
         info(
             bench,
-            "alone: other bookkeeping of every step, % of step",
-            every_step / (step_s * 1e6) * 100,
-            unit="%",
+            f"in the loop: {WHOLE_STEP}",
+            us(WHOLE_STEP),
+            unit="us",
+            note=f"{median(pcts[WHOLE_STEP]):.1f}% of the step ({spread(pcts[WHOLE_STEP])})",
         )
     )
+    norm_us = grad_norm_us()
+    checks.append(info(bench, "alone: grad norm (1 step in log_every_steps)", norm_us, unit="us"))
     print(table(checks))
     result = Result(
         benchmark="instrumentation",
-        timed="in the loop: median step time (stamp to stamp) of the bare seed loop's "
-        "steps with and without the PhaseTimer calls, alternating step by step, median "
-        "over repeats, plus the epoch summary per step; alone: timeit of the calls, µs "
-        "per step",
+        timed="in the loop (in_loop.py): the seed loop's steps with and without the piece, "
+        "alternating step by step; the median difference between each step with it and its "
+        "two neighbours without, over the median plain step; median over repeats. The "
+        "timer's figure adds the epoch summary per step; alone: timeit, µs per step",
         workload={
             "phases": list(PHASES),
             "repeats": repeats,
@@ -294,13 +344,12 @@ def main() -> None:
             "threads": args.threads,
         },
         figures={
-            "in_loop_pct": pcts["timer"],
-            "control_pct": pcts["control"],
+            "in_loop_pct": pcts,
+            "plain_step_s": step_s,
             "summary_pct": summary_pct,
-            "untimed_step_s": pcts["step_s"],
             "timer_calls_us": calls_us,
             "timer_summary_us_per_step": summary_us,
-            "bookkeeping_us": costs,
+            "grad_norm_us": norm_us,
         },
         checks=checks,
     )
