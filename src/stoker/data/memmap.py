@@ -23,9 +23,21 @@ TARGET_NAMES = ("label", "labels", "target", "targets", "y")
 PathLike = str | os.PathLike[str]
 NpyFields = PathLike | Mapping[str, PathLike] | Sequence[PathLike]
 
-# A page fault on a cached file maps up to this much around the page (Linux "fault-around"),
-# so reading one row can map 64 KiB of the file into the process.
-_FAULT_AROUND = 64 << 10
+# What one read fault can map: recent Linux (6.18 here) maps the whole page-cache folio
+# around the faulting page, and ext4, xfs and btrfs cache files in folios of up to 2 MiB,
+# so reading one 256-byte row can map 2 MiB of the file into the process (older kernels
+# map a 64 KiB "fault-around" window, so this overestimates there). Mapped bytes are
+# counted in these units of the file: a read maps at most the folios its rows span.
+_FOLIO = 2 << 20
+# A mapped read of scattered rows costs about a page fault per folio it maps, a read by
+# position a pread per run of rows, and mapping a folio again after a release costs
+# several small preads (1 GB of 256-byte rows in 2 MiB folios, 2-core VM: ~5 us a fault,
+# ~1 us a pread; by position was faster up to about 9 rows per folio spanned). So a batch
+# over the budget with fewer rows than this per folio of its span is read by position.
+# (Over small folios, after memory pressure, a fault maps 64 KiB and batches just denser
+# than this map a few times slower than by position; counting in 64 KiB units instead
+# would read dense batches over large folios many times slower than mapped.)
+_ROWS_PER_FOLIO = 8
 # Python exposes madvise only where the OS has it (not on Windows).
 _CAN_RELEASE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 # pread reads at an offset in one call (no shared file position); elsewhere seek + read.
@@ -173,16 +185,18 @@ class NpyDataset(Dataset):
 
     - ``True``: through memory maps, one fancy-index per field; the fastest. Mapped
       pages count toward the process's resident memory (RSS) although they are the OS
-      page cache. Contiguous reads (a sequential epoch) hand them back after about
-      ``max_mapped_mib`` (``madvise(MADV_DONTNEED)``; they stay cached), so RSS stays
-      bounded. Scattered reads do not: each row maps at least the kernel's
-      fault-around window (64 KiB), recent kernels map a whole page-cache folio (up
-      to 2 MiB), and handing those back only makes the next batch map them again
-      (13x slower in ``benchmarks/memory.py``), so a shuffled epoch maps most of the
-      file into RSS.
+      page cache, and a read fault maps a whole page-cache folio (up to 2 MiB on recent
+      Linux) however small the row. So reads are counted in folios against a budget,
+      ``max_mapped_mib``, and the maps are handed back (``madvise(MADV_DONTNEED)``;
+      the pages stay cached) before a read would overrun it. A batch that would
+      overrun it with few rows per folio it spans (a shuffled batch over a file much
+      larger than the budget, which would map nearly all of it for a row or two per
+      folio) is read by position instead, as with ``False``: mapping those folios
+      again after every release costs more than reading the rows. Files that fit the
+      budget together stay mapped once read.
     - ``False``: by position (``pread``), one read per run of consecutive rows:
-      nothing is mapped, RSS holds the batch only, whatever the order. Use it for
-      shuffled epochs when RSS must stay small (slower than mapped reads when shuffled).
+      nothing is mapped, RSS holds the batch only, whatever the order; slower than
+      mapped reads of a file that stays mapped.
 
     Picklable for DataLoader workers: mapped arrays are not pickled; each process maps
     the files again on first use.
@@ -207,8 +221,9 @@ class NpyDataset(Dataset):
                 sequence of paths (named after their files). The order is the order of
                 the fields in a sample.
             mmap: Read through memory maps (True) or by position (False); see above.
-            max_mapped_mib: With ``mmap``, hand mapped pages back to the OS after about
-                this many MiB of contiguous reads; None never does.
+            max_mapped_mib: With ``mmap``, keep at most about this many MiB of the files
+                mapped (see above); None keeps every page read mapped and never reads
+                by position.
 
         Raises:
             DataError: A missing file or folder, a file that is not a numeric .npy array,
@@ -255,16 +270,31 @@ class NpyDataset(Dataset):
         self._max_mapped = None if max_mapped_mib is None else max_mapped_mib << 20
         row_bytes = [int(np.prod(a.shape[1:], dtype=np.int64)) * a.itemsize for a in arrays]
         self._row_bytes = tuple(row_bytes)
+        # The most of each file a map can hold: the header and the rows.
+        self._sizes = tuple(a.offset + a.nbytes for a in arrays)
+        self._c_order = tuple(bool(a.flags.c_contiguous) for a in arrays)
         # By position, the maps give only shape, dtype and offset: no page is touched.
         self._arrays: list[np.memmap] | None = arrays
-        self._mapped_bytes = 0  # an upper estimate of what reads have mapped since a release
+        self._forget_mapped()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # Mapped arrays are reopened in each process, never pickled.
         state["_arrays"] = None
-        state["_mapped_bytes"] = 0
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget_mapped()  # nothing is mapped in this process yet
+
+    def _forget_mapped(self) -> None:
+        """Count nothing as mapped: on opening, in a new process and after a release."""
+        fields = len(self._paths)
+        # Per field and in all, an upper bound of what reads mapped since a release.
+        self._mapped = [0] * fields
+        self._mapped_total = 0
+        # Per field, the last folio counted: a sequential batch starts in it.
+        self._last_folio = [-1] * fields
 
     def _fields(self) -> list[np.memmap]:
         if self._arrays is None:
@@ -332,35 +362,85 @@ class NpyDataset(Dataset):
             order = np.argsort(idx, kind="stable")
             idx = idx[order]
         batch = []
-        for path, array in zip(self._paths, self._fields(), strict=True):
-            # Advanced indexing copies out of the map; by position reads into a new array.
-            rows = np.asarray(array[idx]) if self._mmap else _read_rows(path, array, idx)
+        for field, (path, array) in enumerate(zip(self._paths, self._fields(), strict=True)):
+            rows = self._read(field, path, array, idx)
             if order is not None:
                 unsorted = np.empty_like(rows)
                 unsorted[order] = rows
                 rows = unsorted
             batch.append(torch.from_numpy(_native(rows)))
-        if self._mmap and idx.size:
-            self._account(idx.size, int(idx[-1] - idx[0]) + 1)
         return tuple(batch)
 
-    def _account(self, rows: int, span: int) -> None:
-        """Count what contiguous reads mapped; hand it back past ``max_mapped_mib``."""
-        if self._max_mapped is None or not _CAN_RELEASE:
-            return
-        # A sorted batch maps at most the span it covers, and at least its rows' own.
-        spanned = sum(span * n + 2 * _FAULT_AROUND for n in self._row_bytes)
-        each = sum(rows * (n + _FAULT_AROUND) for n in self._row_bytes)
-        if spanned > each:
-            # Scattered rows: releasing would only make the next batches map it all again.
-            return
-        self._mapped_bytes += spanned
-        if self._mapped_bytes > self._max_mapped:
-            self._release_pages()
+    def _read(self, field: int, path: Path, array: np.memmap, idx: np.ndarray) -> np.ndarray:
+        """One field's rows at sorted ``idx``, in a new array: mapped or by position.
+
+        Mapped reads are counted in whole folios of the span they cover (an upper bound
+        of what they map). A read that fits what is left of the budget goes through the
+        map. One that does not is read by position when its rows are sparse (fewer than
+        ``_ROWS_PER_FOLIO`` per folio spanned), else mapped a piece at a time, the maps
+        released before a piece that would overrun the budget.
+        """
+        if not self._mmap:
+            return _read_rows(path, array, idx)
+        if self._max_mapped is None or not _CAN_RELEASE or not idx.size:
+            # Advanced indexing copies out of the map.
+            return np.asarray(array[idx])
+        start, end = self._span(field, array, idx)
+        new = self._uncounted(field, start, end)
+        if self._mapped_total + new <= self._max_mapped:
+            rows = np.asarray(array[idx])
+            self._count(field, new, end)
+            return rows
+        if idx.size < _ROWS_PER_FOLIO * (end - start) and self._c_order[field]:
+            return _read_rows(path, array, idx)
+        return self._read_in_pieces(field, array, idx)
+
+    def _read_in_pieces(self, field: int, array: np.memmap, idx: np.ndarray) -> np.ndarray:
+        """Rows at sorted ``idx`` through the map, each piece spanning at most the budget.
+
+        The maps are released before a piece that would overrun the budget, so even a
+        batch larger than the budget never has much more than the budget mapped at once.
+        (Not in Fortran order: any few rows span the whole file, so it is one piece.)
+        """
+        assert self._max_mapped is not None
+        cuts: np.ndarray | list[int] = []
+        if self._c_order[field]:
+            # Pieces cut at multiples of the budget in the file (at least a folio apart).
+            piece = max(self._max_mapped // _FOLIO, 1) * _FOLIO
+            offsets = array.offset + idx * self._row_bytes[field]
+            cuts = np.flatnonzero(np.diff(offsets // piece)) + 1
+        parts = []
+        for part in np.split(idx, cuts):
+            start, end = self._span(field, array, part)
+            if self._mapped_total + self._uncounted(field, start, end) > self._max_mapped:
+                self._release_pages()
+            parts.append(np.asarray(array[part]))
+            self._count(field, self._uncounted(field, start, end), end)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _span(self, field: int, array: np.memmap, idx: np.ndarray) -> tuple[int, int]:
+        """The folios ``[start, end)`` of its file that the rows at sorted ``idx`` lie in."""
+        if not self._c_order[field]:
+            return 0, -(-self._sizes[field] // _FOLIO)  # a Fortran-order row spans the file
+        row_bytes = self._row_bytes[field]
+        start = (array.offset + int(idx[0]) * row_bytes) // _FOLIO
+        end = -(-(array.offset + (int(idx[-1]) + 1) * row_bytes) // _FOLIO)
+        return start, end
+
+    def _uncounted(self, field: int, start: int, end: int) -> int:
+        """Bytes that mapping folios ``[start, end)`` of ``field`` may add to its count."""
+        folios = max(end - start - (start == self._last_folio[field]), 0)
+        # A map holds at most its whole file, however often it is read.
+        return min(folios * _FOLIO, self._sizes[field] - self._mapped[field])
+
+    def _count(self, field: int, nbytes: int, end: int) -> None:
+        self._mapped[field] += nbytes
+        self._mapped_total += nbytes
+        self._last_folio[field] = end - 1
 
     def _release_pages(self) -> None:
         """Drop this process's mapped pages; they stay in the OS page cache."""
-        self._mapped_bytes = 0
+        self._forget_mapped()
         for array in self._arrays or ():
             mapping = getattr(array, "_mmap", None)  # np.memmap keeps its mmap object here
             if isinstance(mapping, mmap.mmap):

@@ -178,41 +178,124 @@ def test_a_truncated_file_is_named(tmp_path: Path) -> None:
         ds.__getitems__([9])
 
 
-@pytest.mark.skipif(not memmap._CAN_RELEASE, reason="mmap.madvise is not available here")
-def test_contiguous_reads_release_mapped_pages_and_values_stay_right(
+needs_madvise = pytest.mark.skipif(
+    not memmap._CAN_RELEASE, reason="mmap.madvise is not available here"
+)
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (which still runs)."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args: (calls.append(1), original(*args))[1])
+    return calls
+
+
+def assert_same_bytes(tensor: torch.Tensor, expected: np.ndarray) -> None:
+    assert tensor.numpy().tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+@needs_madvise
+def test_mapped_reads_release_before_overrunning_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, _ = write_fields(tmp_path / "fields", n=2000)
-    releases = []
-    original = NpyDataset._release_pages
-    monkeypatch.setattr(
-        NpyDataset, "_release_pages", lambda self: (releases.append(1), original(self))
-    )
+    releases = spy(monkeypatch, NpyDataset, "_release_pages")
+    by_position = spy(monkeypatch, memmap, "_read_rows")
     ds = NpyDataset(tmp_path / "fields", max_mapped_mib=0)
     for start in range(0, 2000, 100):
         chunk = np.arange(start, start + 100)[::-1]  # contiguous, in any order
-        np.testing.assert_array_equal(ds.__getitems__(chunk.tolist())[0].numpy(), x[chunk])
-    assert len(releases) == 20
+        assert_same_bytes(ds.__getitems__(chunk.tolist())[0], x[chunk])
+    # A budget of 0 fits no read: each field's read is preceded by a release.
+    assert len(releases) == 40 and not by_position
     wide = np.arange(4000 * 1024, dtype=np.float32).reshape(4000, 1024)  # 4 KiB rows
     np.save(tmp_path / "wide.npy", wide)
     sparse = NpyDataset([tmp_path / "wide.npy"], max_mapped_mib=0)
     scattered = np.random.default_rng(0).permutation(4000)[:10]
-    np.testing.assert_array_equal(sparse.__getitems__(scattered)[0].numpy(), wide[scattered])
-    assert len(releases) == 20  # releasing scattered reads would only map them again
-    sparse.__getitems__(np.arange(10))
-    assert len(releases) == 21
+    assert_same_bytes(sparse.__getitems__(scattered)[0], wide[scattered])
+    assert len(releases) == 40 and len(by_position) == 1  # 10 rows spread over 16 MB
+    sparse.__getitems__(np.arange(10))  # 10 rows in one folio: mapped
+    assert len(releases) == 41 and len(by_position) == 1
     never = NpyDataset(tmp_path / "fields", max_mapped_mib=None)
-    never.__getitems__(list(range(2000)))
-    assert len(releases) == 21
+    never.__getitems__(np.random.default_rng(1).permutation(2000))
+    assert len(releases) == 41 and len(by_position) == 1
     with pytest.raises(ConfigError, match="max_mapped_mib"):
         NpyDataset(tmp_path / "fields", max_mapped_mib=-1)
 
 
-def rss_file_mib() -> float:
+@needs_madvise
+def test_files_within_the_budget_stay_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, y = write_fields(tmp_path, n=5000)
+    releases = spy(monkeypatch, NpyDataset, "_release_pages")
+    by_position = spy(monkeypatch, memmap, "_read_rows")
+    ds = NpyDataset(tmp_path, max_mapped_mib=1)
+    batches = list(build_loader(ds, batch_size=64, shuffle=True, seed=0))
+    assert not releases and not by_position
+    assert ds._mapped_total == sum(ds._sizes)  # each file counted once, however often read
+    rows = torch.cat([b[0] for b in batches]).numpy()
+    np.testing.assert_array_equal(
+        y[(rows[:, 0] // 3).astype(int)], torch.cat([b[1] for b in batches])
+    )
+
+
+@needs_madvise
+def test_sparse_batches_over_the_budget_are_read_by_position(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 KiB rows over 16 MiB, a budget of 1 MiB: 32 rows span about 8 folios.
+    wide = np.random.default_rng(0).standard_normal((4096, 1024), dtype=np.float32)
+    np.save(tmp_path / "wide.npy", wide)
+    np.save(tmp_path / "label.npy", np.arange(4096))
+    releases = spy(monkeypatch, NpyDataset, "_release_pages")
+    by_position = spy(monkeypatch, memmap, "_read_rows")
+    ds = NpyDataset(tmp_path, max_mapped_mib=1)
+    order = np.random.default_rng(1).permutation(4096)
+    for start in range(0, 4096, 32):
+        wanted = order[start : start + 32]
+        rows, labels = ds.__getitems__(wanted)
+        assert_same_bytes(rows, wide[wanted])
+        assert labels.tolist() == wanted.tolist()
+    assert len(by_position) == 4096 // 32  # the wide field; the labels (32 KiB) stay mapped
+    assert not releases and ds._mapped_total == ds._sizes[1]
+    # A Fortran-order field cannot be read by position: it is mapped, released as needed.
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(wide))
+    fortran = NpyDataset([tmp_path / "fortran.npy"], max_mapped_mib=1)
+    assert_same_bytes(fortran.__getitems__(order[:32])[0], wide[order[:32]])
+    assert len(by_position) == 4096 // 32 and len(releases) == 1
+
+
+@needs_madvise
+def test_dense_batches_over_the_budget_are_mapped_a_piece_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256-byte rows over 32 MiB, a budget of 4 MiB: a batch of 16384 rows is dense.
+    x = np.random.default_rng(0).standard_normal((2**17, 64), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    releases = spy(monkeypatch, NpyDataset, "_release_pages")
+    by_position = spy(monkeypatch, memmap, "_read_rows")
+    counted = []
+    original = NpyDataset._count
+    monkeypatch.setattr(
+        NpyDataset,
+        "_count",
+        lambda self, *args: (original(self, *args), counted.append(self._mapped_total)),
+    )
+    ds = NpyDataset([tmp_path / "x.npy"], max_mapped_mib=4)
+    for wanted in np.array_split(np.random.default_rng(1).permutation(2**17), 8):
+        assert_same_bytes(ds.__getitems__(wanted)[0], x[wanted])
+    assert not by_position
+    assert len(releases) >= 8 * 7  # 8 pieces of 4 MiB a batch, a release before each but one
+    assert max(counted) <= (4 << 20) + memmap._FOLIO  # a piece's last row may end a folio on
+
+
+def proc_status_mib(key: str) -> float:
+    """A memory figure of this process from /proc/self/status (Linux), in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssFile:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no RssFile in /proc/self/status")
+    raise AssertionError(f"no {key} in /proc/self/status")
 
 
 @pytest.mark.skipif(
@@ -220,26 +303,62 @@ def rss_file_mib() -> float:
     reason="needs madvise and /proc (Linux)",
 )
 def test_rss_stays_bounded_when_released_or_read_by_position(tmp_path: Path) -> None:
-    rows = 32 * 2**20 // 256  # a 32 MiB file of 256-byte rows
+    rows = 32 * 2**20 // 256  # 32 MiB files: of 256-byte rows, and of 4 KiB rows
     np.save(tmp_path / "x.npy", np.ones((rows, 64), dtype=np.float32))
+    np.save(tmp_path / "wide.npy", np.ones((rows // 16, 1024), dtype=np.float32))
     shuffled = np.random.default_rng(0).permutation(rows)
+    wide_order = np.random.default_rng(1).permutation(rows // 16)
     growth = {}
     runs = [
-        ("mapped, kept", {"max_mapped_mib": None}, np.arange(rows)),
-        ("mapped, released", {"max_mapped_mib": 4}, np.arange(rows)),
-        ("by position, shuffled", {"mmap": False}, shuffled),
+        ("mapped, kept", "x.npy", {"max_mapped_mib": None}, np.arange(rows), 1024),
+        ("mapped, released", "x.npy", {"max_mapped_mib": 4}, np.arange(rows), 1024),
+        # 64 rows over 16 folios: mapped, each batch would map nearly the whole file.
+        ("mapped, shuffled, sparse", "wide.npy", {"max_mapped_mib": 4}, wide_order, 64),
+        ("by position, shuffled", "x.npy", {"mmap": False}, shuffled, 1024),
     ]
-    for name, options, order in runs:
-        ds = NpyDataset([tmp_path / "x.npy"], **options)
-        before = peak = rss_file_mib()
-        for start in range(0, rows, 1024):
-            ds.__getitems__(order[start : start + 1024])
-            peak = max(peak, rss_file_mib())
+    for name, file, options, order, batch_size in runs:
+        ds = NpyDataset([tmp_path / file], **options)
+        before = peak = proc_status_mib("RssFile")
+        for start in range(0, len(order), batch_size):
+            ds.__getitems__(order[start : start + batch_size])
+            peak = max(peak, proc_status_mib("RssFile"))
         growth[name] = peak - before
         del ds
     assert growth["mapped, kept"] > 20  # without a limit the whole file ends up mapped
     assert growth["mapped, released"] < 8  # the limit and one batch
+    assert growth["mapped, shuffled, sparse"] < 4  # read by position: nothing mapped
     assert growth["by position, shuffled"] < 1  # nothing is mapped at all
+
+
+def reset_peak_rss() -> None:
+    """Set this process's peak RSS (VmHWM) to its current RSS, or skip where Linux does not."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as error:
+        pytest.skip(f"cannot reset the peak RSS: {error}")
+
+
+@pytest.mark.skipif(
+    not memmap._CAN_RELEASE or not Path("/proc/self/clear_refs").exists(),
+    reason="needs madvise and /proc/self/clear_refs (Linux)",
+)
+def test_a_shuffled_pass_over_a_file_larger_than_the_budget_peaks_near_the_budget(
+    tmp_path: Path,
+) -> None:
+    # 256-byte rows over 64 MiB, batches of 4096: dense enough to be mapped, a piece at a
+    # time within the 8 MiB budget; mapped whole, each batch would map the whole file.
+    np.save(tmp_path / "x.npy", np.ones((2**18, 64), dtype=np.float32))
+    ds = NpyDataset([tmp_path / "x.npy"], max_mapped_mib=8)
+    ds.__getitems__(np.arange(4096))  # the code a mapped read runs, before the baseline
+    ds._release_pages()
+    order = np.random.default_rng(0).permutation(len(ds))
+    reset_peak_rss()
+    before = proc_status_mib("VmRSS")
+    for start in range(0, len(ds), 4096):
+        ds.__getitems__(order[start : start + 4096])
+    # The kernel updates the peak before it unmaps pages, so it sees each release's peak.
+    growth = proc_status_mib("VmHWM") - before
+    assert growth < 8 + 2 + 8  # the budget, a folio, and the batch and its copies
 
 
 def test_pickling_does_not_carry_the_mapped_arrays(tmp_path: Path) -> None:
@@ -249,7 +368,7 @@ def test_pickling_does_not_carry_the_mapped_arrays(tmp_path: Path) -> None:
     payload = pickle.dumps(ds)
     assert len(payload) < 2000  # the arrays hold 5000 * 3 * 4 + 5000 * 8 bytes
     clone = pickle.loads(payload)
-    assert clone._arrays is None
+    assert clone._arrays is None and clone._mapped_total == 0  # nothing mapped here yet
     np.testing.assert_array_equal(clone.__getitems__([4999, 3])[0].numpy(), x[[4999, 3]])
 
 
