@@ -29,13 +29,20 @@ from stoker.data.transforms import (
 from stoker.errors import ConfigError
 
 
-def npy(path: str | dict[str, str] | list[str], *, mmap: bool = False) -> NpyDataset:
+def npy(
+    path: str | dict[str, str] | list[str],
+    *,
+    mmap: bool = False,
+    max_mapped_mib: int | None = 128,
+) -> NpyDataset:
     """``.npy`` arrays, one file per field: a folder, a {name: file} mapping, or a list.
 
     ``mmap: false`` (the default here) reads rows by position, which keeps memory flat
-    in a shuffled epoch; ``mmap: true`` maps the files (fastest for sequential reads).
+    in a shuffled epoch; ``mmap: true`` maps the files (fastest for sequential reads),
+    keeping at most about ``max_mapped_mib`` of them mapped (``null``: no limit, the
+    fastest shuffled reads of a file that fits in memory, whose pages then count in RSS).
     """
-    return NpyDataset(path, mmap=mmap)
+    return NpyDataset(path, mmap=mmap, max_mapped_mib=max_mapped_mib)
 
 
 def parquet(
