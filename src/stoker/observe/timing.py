@@ -106,13 +106,17 @@ class PhaseTimer:
             append(clock())
             return batch
 
-        def lap(phase: str) -> None:  # forward, backward (and transfer off the CPU)
+        def lap(phase: str) -> None:
+            if phase != "transfer":  # on the CPU there is no copy to time
+                append(clock())
+
+        def stamp(phase: str) -> None:  # an accelerator timed on the host: every phase
             append(clock())
 
         self.start_step = start_step  # type: ignore[method-assign]
         self.data_ready = data_ready  # type: ignore[method-assign]
         self.fetch = fetch  # type: ignore[method-assign]
-        self.lap = lap  # type: ignore[method-assign]
+        self.lap = stamp if self.times_transfer else lap  # type: ignore[method-assign]
 
     def start_step(self) -> None:
         """The fetch of a step's batch begins, and the step before ends."""
@@ -152,14 +156,13 @@ class PhaseTimer:
         return batch
 
     def lap(self, phase: str) -> None:
-        """End ``phase``: forward or backward, or transfer where ``times_transfer`` (not
-        on the CPU, where there is no copy: the loop does not call it there). On the
-        host the order is the loop's, so only the time is kept."""
+        """End ``phase``: transfer, forward or backward. On the host the order is the
+        loop's, so only the time is kept; on the CPU transfer takes no stamp."""
         if self._cuda:
             event = _record_event()
             self._events.append((_INDEX[phase], self._last_event, event))
             self._last_event = event
-        else:
+        elif self.times_transfer or phase != "transfer":
             self._stamps.append(time.perf_counter())
 
     def close_step(self) -> None:

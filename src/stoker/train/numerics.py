@@ -145,9 +145,8 @@ class FiniteCheck:
         self._flags = list(flags.values())
         self._host = all(flag.device.type == "cpu" for flag in self._flags)
         # The one plain group on the CPU, if that is all there is: the fast path.
-        self._single = self._groups[0] if self._host and len(self._groups) == 1 else None
-        if self._single is not None and self._single[3]:
-            self._single = None
+        single = self._host and len(self._groups) == 1 and not self._groups[0][3]
+        self._single = self._groups[0] if single else None
         if self._single is not None:
             self._view = self._single[1].numpy()  # shares the flag's memory
         fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
@@ -451,7 +450,7 @@ def check_step(
     non-finite gradient; ``rollback`` raises RollbackNeeded (``train_epoch`` restores
     the checkpoint); ``skip`` counts the step and returns "skipped".
     """
-    check = loop._finite or loop.finite_check()  # built on the first step
+    check = loop.finite_check()
     loss_ok, grads_ok = check(step_loss)  # the CPU–GPU sync point
     guard = loop.numerics
     if not grads_ok:
