@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from stoker.config import RunConfig
+from stoker.data.loader_fast import in_memory_arrays
 from stoker.observe.stages import (
     FetchFigures,
     LoaderPoint,
@@ -81,7 +82,8 @@ class Measurements:
         cores: CPU cores this process may use.
         torch_threads: ``torch.get_num_threads()`` of the training process.
         batch_size: ``loader.batch_size``.
-        num_workers: ``loader.num_workers`` as configured.
+        num_workers: ``loader.num_workers`` as the loader runs it (0 for in-memory
+            arrays, which it serves in-process whatever the config says).
         pin_memory: Whether the configured loader pins batches.
         returns_batches: Whether the loader fetches whole batches (``__getitems__``).
         seconds: Time per measurement.
@@ -568,7 +570,13 @@ def measure_stages(
     fresh_model = copy.deepcopy(pipeline.model)
     loader_cfg = config.loader
     cores = usable_cores()
-    counts = worker_counts(cores, loader_cfg.num_workers, cap=max_workers)
+    workers = loader_cfg.num_workers
+    counts = worker_counts(cores, workers, cap=max_workers)
+    if pipeline.train_loader.returns_batches and in_memory_arrays(pipeline.train_data) is not None:
+        # build_loader serves in-memory arrays in-process whatever num_workers says: every
+        # worker count would measure the same loader.
+        workers, counts = 0, [0]
+        say("in-memory arrays: the loader serves them in-process, without workers")
     say(f"loader alone at {', '.join(map(str, counts))} workers ({seconds:g} s each)")
     points = sweep_workers(config, pipeline, counts, seconds=seconds, repeats=repeats)
     batch = first_batch(config, pipeline)
@@ -593,7 +601,7 @@ def measure_stages(
         seconds=min(seconds, 1.5),
         seed=config.seed,
     )
-    configured = next(p for p in points if p.num_workers == loader_cfg.num_workers)
+    configured = next(p for p in points if p.num_workers == workers)
     steps = planned_pipeline_steps(
         config,
         pipeline,
@@ -607,7 +615,7 @@ def measure_stages(
         cores=cores,
         torch_threads=torch.get_num_threads(),
         batch_size=loader_cfg.batch_size,
-        num_workers=loader_cfg.num_workers,
+        num_workers=workers,
         pin_memory=bool(pipeline.train_loader.dataloader.pin_memory),
         returns_batches=pipeline.train_loader.returns_batches,
         seconds=seconds,

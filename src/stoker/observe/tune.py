@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from stoker.config import LoaderConfig, RunConfig, load_yaml, validate_config
+from stoker.data.loader_fast import in_memory_arrays
 from stoker.errors import ConfigError
 from stoker.observe.stages import (
     PerSampleView,
@@ -494,6 +495,15 @@ def tune(
         batch_sizes=sizes,
         max_workers=max_workers,
     )
+    if batched and in_memory_arrays(pipeline.train_data) is not None:
+        # Every worker count would measure the same in-process loader (build_loader
+        # serves in-memory arrays without workers): only noise could pick among them.
+        space = [candidate for candidate in space if candidate.num_workers == 0]
+        notes.append(
+            "in-memory arrays are served in-process whatever num_workers says (see the "
+            "loader's note): worker counts, prefetch_factor and persistent_workers are "
+            "not searched, and num_workers is set to 0"
+        )
     search_budget = budget_s * (0.7 if confirm else 1.0)
     # Each measurement also pays start-up and warm-up (0.1 s to seconds with many
     # workers); successive halving takes about 1.35 measurements per candidate, and

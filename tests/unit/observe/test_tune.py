@@ -18,6 +18,7 @@ from stoker.observe.tune import (
     halving_cost,
     search_space,
     successive_halving,
+    tune,
     write_loader_settings,
 )
 
@@ -257,3 +258,18 @@ def test_tune_cli_measures_and_writes_the_winner(tmp_path: Path, capsys) -> None
     for key, value in document["settings"].items():
         assert getattr(config.loader, key) == value
     assert config.optim.lr == 0.01 and config.model.args == {"hidden": 16}
+
+
+def test_tune_does_not_search_workers_for_in_memory_arrays(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {name: mlp, args: {in_features: 64, out_features: 10, hidden: [16]}}\n"
+        "data: {train: {name: digits}}\n"
+        "loader: {batch_size: 64, num_workers: 2}\n"
+        "train: {device: cpu}\n"
+    )
+    result = tune(load_config(path), budget_s=1.5, confirm=False)
+    assert result.halving.trials  # something was measured
+    assert {trial.candidate.num_workers for trial in result.halving.trials} == {0}
+    assert result.winner.num_workers == 0 and result.settings["num_workers"] == 0
+    assert any("served in-process" in note for note in result.notes)
