@@ -31,7 +31,7 @@ from stoker.data.loader_checks import (
 from stoker.data.loader_collate import (
     OrderedBatch,
     PerSampleView,
-    batch_size_of,
+    collated_size,
     skip_bad_collate,
 )
 from stoker.data.loader_fast import (
@@ -40,6 +40,7 @@ from stoker.data.loader_fast import (
     in_memory_arrays,
     in_process_note,
     say_once,
+    serves_in_process,
 )
 from stoker.data.records import BadRecordLog, FilteredBatch
 from stoker.data.samplers import (
@@ -225,7 +226,7 @@ class EpochLoader:
                 if batch is None:
                     continue
             elif log.consecutive and not replaying:
-                log.record_good(batch_size_of(batch))
+                log.record_good(collated_size(batch))
             if replaying:
                 replayed += 1
                 continue
@@ -246,7 +247,7 @@ class EpochLoader:
             # A batched source keeps no order: count its bad records before its good ones.
             log.record_bad(filtered.bad)
             if batch is not None:
-                log.record_good(batch_size_of(batch))
+                log.record_good(collated_size(batch))
         # PyTorch's pinning passes a FilteredBatch through untouched; pin what is left.
         if batch is not None and self.dataloader.pin_memory:
             batch = pin_memory(batch)
@@ -461,7 +462,7 @@ def build_loader(
     # Read through a wrapper, so that an exception names the sample (and worker).
     fetched: Dataset = dataset if streaming else NamedFetch(dataset, batched=batched)
     note = None
-    if num_workers > 0 and batched and in_memory_arrays(dataset) is not None:
+    if num_workers > 0 and serves_in_process(dataset, batched=batched):
         # A batch of in-memory arrays is one gather away: workers would only pickle and
         # copy it between processes (measured 50-300x slower than gathering in-process).
         note = in_process_note(num_workers)

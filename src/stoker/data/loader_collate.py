@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from stoker.data.collate import default_collate
 from stoker.data.records import BadSample, FilteredBatch
 
-__all__ = ["OrderedBatch", "PerSampleView", "batch_size_of", "skip_bad_collate"]
+__all__ = ["OrderedBatch", "PerSampleView", "collated_size", "skip_bad_collate"]
 
 
 class PerSampleView(Dataset):
@@ -93,7 +93,7 @@ def skip_bad_collate(
     return _SkipBadCollate(collate_fn if collate_fn is not None else default_collate)
 
 
-def batch_size_of(batch: Any) -> int:
+def collated_size(batch: Any) -> int:
     """Samples in a collated batch, as far as its first field tells (at least 1)."""
     size = 1
     while isinstance(batch, tuple | list | dict) and batch:

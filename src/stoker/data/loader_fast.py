@@ -3,7 +3,7 @@
 For data already in memory (an :class:`~stoker.data.sources.ArrayDataset`), a batch is
 one ``index_select`` per field. At that size the fixed cost of each call (dispatch,
 allocation, a Python tuple, a generator step) is as large as the copy itself, so
-:func:`gather_blocks` gathers many batches' rows in one call per field and hands out the
+:class:`ArrayGather` gathers many batches' rows in one call per field and hands out the
 batches as row slices of that block: the same values in the same order, a fraction of
 the calls. Worker processes cannot help such data, only pickle and copy what is one
 gather away; :func:`serves_in_process` decides when the loader ignores them.
@@ -27,8 +27,8 @@ __all__ = [
     "epoch_rows",
     "in_memory_arrays",
     "in_process_note",
-    "sampler_indices",
     "say_once",
+    "serves_in_process",
 ]
 
 logger = logging.getLogger("stoker")
@@ -74,6 +74,13 @@ def in_memory_arrays(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
     if type(dataset).__getitems__ is not ArrayDataset.__getitems__:
         return None
     return dataset.arrays
+
+
+def serves_in_process(dataset: Dataset, *, batched: bool) -> bool:
+    """Whether the loader serves ``dataset`` in the training process whatever
+    ``num_workers`` says: in-memory arrays fetched a batch at a time (no per-sample
+    ``collate_fn``), which a worker could only pickle and copy."""
+    return batched and in_memory_arrays(dataset) is not None
 
 
 def _batches_per_block(arrays: tuple[torch.Tensor, ...], batch_size: int) -> int:

@@ -78,6 +78,10 @@ class ShardedWeights:
             get_optimizer_state_dict(model, optimizer, options=_WHOLE),
         )
 
+    def export_state(self, model: nn.Module) -> dict:
+        """The whole weights alone, for ``model.safetensors`` (a collective)."""
+        return get_model_state_dict(model, options=_WHOLE)
+
     def load(
         self,
         model: nn.Module,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from stoker.config import RunConfig
-from stoker.data.loader_fast import in_memory_arrays
+from stoker.data.loader_fast import serves_in_process
 from stoker.observe.stages import (
     FetchFigures,
     LoaderPoint,
@@ -572,7 +572,7 @@ def measure_stages(
     cores = usable_cores()
     workers = loader_cfg.num_workers
     counts = worker_counts(cores, workers, cap=max_workers)
-    if pipeline.train_loader.returns_batches and in_memory_arrays(pipeline.train_data) is not None:
+    if serves_in_process(pipeline.train_data, batched=pipeline.train_loader.returns_batches):
         # build_loader serves in-memory arrays in-process whatever num_workers says: every
         # worker count would measure the same loader.
         workers, counts = 0, [0]

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from stoker.config import LoaderConfig, RunConfig, load_yaml, validate_config
-from stoker.data.loader_fast import in_memory_arrays
+from stoker.data.loader_fast import serves_in_process
 from stoker.errors import ConfigError
 from stoker.observe.stages import (
     PerSampleView,
@@ -495,7 +495,7 @@ def tune(
         batch_sizes=sizes,
         max_workers=max_workers,
     )
-    if batched and in_memory_arrays(pipeline.train_data) is not None:
+    if serves_in_process(pipeline.train_data, batched=batched):
         # Every worker count would measure the same in-process loader (build_loader
         # serves in-memory arrays without workers): only noise could pick among them.
         space = [candidate for candidate in space if candidate.num_workers == 0]

@@ -141,8 +141,8 @@ class GradHealth:
 
     The loop calls, in step order::
 
-        health.before_step(model, step)   # after backward/unscale_, before clip_
-        clipped = clipper.clip_(...)      # then health.observe_clip(norm > max_norm)
+        health.before_step(model, step)   # after backward/unscale_, before clipping
+        clipper.apply_(params, norm)      # then health.observe_clip(clipper.last_clipped)
         optimizer.step()
         record = health.after_step(model) # {} unless this step was sampled
 

@@ -128,7 +128,7 @@ class Loop:
     rollback: Callable[[], Restored | None] | None = None
     #: A context in which backward does not all-reduce (DDP's ``model.no_sync``): with
     #: gradient accumulation, every micro-batch of a step but the last runs inside it.
-    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     #: Distributed: combines every rank's (loss finite, gradients finite) into one verdict.
     agree_finite: Callable[[bool, bool], tuple[bool, bool]] | None = None
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
@@ -158,6 +158,7 @@ class Loop:
         return self._params
 
     def finite_check(self) -> FiniteCheck:
+        """The non-finite check of the loss and gradients, built on the first step."""
         if self._finite is None:
             self._finite = FiniteCheck(self.parameters(), agree=self.agree_finite)
         return self._finite
@@ -229,7 +230,7 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         if times_transfer:  # on the CPU there is nothing to time: transfer is 0
             timer.lap("transfer")
         # Under DDP only the step's last backward all-reduces the gradients.
-        with loop.no_sync() if loop.no_sync is not None and index < last else _NO_CONTEXT:
+        with loop.no_sync() if index < last else _NO_CONTEXT:
             # 3. Forward and 4. loss, in the run's precision.
             with loop.precision.autocast():
                 outputs = forward(loop.model, inputs)

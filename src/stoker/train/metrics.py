@@ -181,6 +181,23 @@ class TaskMetrics:
             "has_accuracy": self._has_accuracy,
         }
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """The running state as it is now, to go back to with :meth:`restore`.
+
+        For a step that may yet be taken back (``on_nonfinite=skip``): unlike
+        ``state_dict`` it folds nothing and copies nothing to the host — four device
+        clones, and the held batches by reference (they are never changed in place).
+        """
+        sums = (self._loss_sum, self._correct, self._abs_err, self._sq_err)
+        held = (list(self._held), self._hold)
+        return self.task, tuple(t.clone() for t in sums), self.samples, self._has_accuracy, held
+
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        """Go back to a :meth:`snapshot` (which stays valid for another restore)."""
+        self.task, sums, self.samples, self._has_accuracy, (held, self._hold) = snapshot
+        self._loss_sum, self._correct, self._abs_err, self._sq_err = (t.clone() for t in sums)
+        self._held[:] = held  # in place, as _fold relies on
+
     def load_state_dict(self, state: dict) -> None:
         """Replace the sums; batches held since the last fold are dropped with them."""
         self._held.clear()

@@ -274,7 +274,7 @@ class NumericsGuard:
         self._streak_scale = 0.0  # the loss scale before the streak
         self._settled = False  # whether any step has updated the parameters yet
         self._epoch = {"skipped": 0, "overflow": 0, "rollbacks": 0}
-        self._kept: dict[str, Any] | None = None
+        self._kept: tuple[Any, ...] | None = None  # TaskMetrics.snapshot()
 
     @classmethod
     def from_config(cls, train: Any) -> NumericsGuard:
@@ -352,14 +352,14 @@ class NumericsGuard:
         """Remember the epoch's running metrics after a good step (``skip`` only).
 
         A skipped step has already added its NaN loss to them; :meth:`restore` takes them
-        back to this copy. On the CPU ``state_dict`` shares storage, hence the clones.
+        back to this snapshot (``TaskMetrics.snapshot``: no fold, no copy to the host).
         """
-        self._kept = _cloned(metrics.state_dict())
+        self._kept = metrics.snapshot()
 
     def restore(self, metrics: TaskMetrics) -> None:
-        """Put back what :meth:`keep` remembered (a copy: the metrics mutate in place)."""
+        """Put back what :meth:`keep` remembered."""
         if self._kept is not None:
-            metrics.load_state_dict(_cloned(self._kept))
+            metrics.restore(self._kept)
 
     # --- fp16 overflow ---------------------------------------------------------------------
 
@@ -418,10 +418,6 @@ class NumericsGuard:
             record["numerics/rollbacks"] = self._epoch["rollbacks"]
         self._epoch = dict.fromkeys(self._epoch, 0)
         return record
-
-
-def _cloned(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _listing(steps: list[int], shown: int = 10) -> str:

@@ -37,6 +37,10 @@ class PlainWeights:
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return model.state_dict(), optimizer.state_dict()
 
+    def export_state(self, model: nn.Module) -> dict | None:
+        """The weights to export, when the model's own state dict is not whole: None."""
+        return None
+
     def load(
         self,
         model: nn.Module,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -351,33 +352,27 @@ def _train_run(
     if data_warning:
         view.message(f"warning: {data_warning}")
 
-    def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
-        if config.checkpoint.enabled:
-            # Every rank hands rank 0 its RNG states and loader position (a collective),
-            # and under FSDP its shard of the weights.
-            weights = parts.weights.state(model, optimizer)
-            ranks = dist.gather(parts.rank_state())
-            if checkpointer is not None:
-                with watchdog.paused():
-                    checkpointer.save(
-                        parts.bundle(loop, ranks=ranks, weights=weights),
-                        epoch=record["epoch"],
-                        step=state.step,
-                        metrics=record,
-                    )
-
-    def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
+    def save(loop: Loop, *, epoch: int, metrics: dict | None, in_epoch: dict | None) -> None:
+        # Every rank hands rank 0 its RNG states and loader position (a collective),
+        # and under FSDP its shard of the weights.
         weights = parts.weights.state(model, optimizer)
-        ranks = dist.gather(parts.rank_state(in_epoch=progress_in_epoch))
+        ranks = dist.gather(parts.rank_state(in_epoch=in_epoch))
         if checkpointer is not None:
-            # Not a candidate for best: there are no validation metrics mid-epoch.
             with watchdog.paused():
                 checkpointer.save(
-                    parts.bundle(loop, in_epoch=progress_in_epoch, ranks=ranks, weights=weights),
-                    epoch=state.epoch,
+                    parts.bundle(loop, in_epoch=in_epoch, ranks=ranks, weights=weights),
+                    epoch=epoch,
                     step=state.step,
-                    metrics=None,
+                    metrics=metrics,
                 )
+
+    def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
+        if config.checkpoint.enabled:
+            save(loop, epoch=record["epoch"], metrics=record, in_epoch=None)
+
+    def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
+        # Not a candidate for best: there are no validation metrics mid-epoch.
+        save(loop, epoch=state.epoch, metrics=None, in_epoch=progress_in_epoch)
 
     stop: Any = AgreedStop() if dist.enabled else None
     timer = PhaseTimer(device)
@@ -430,7 +425,7 @@ def _train_run(
         loop.stop = stop
     if bundle is not None:
         loop.numerics.load_state_dict(bundle.get("numerics"))
-    loop.no_sync = dist.no_sync(wrapped)
+    loop.no_sync = dist.no_sync(wrapped) or contextlib.nullcontext  # no DDP: nothing to hold
     loop.agree_finite = dist.agree_finite()
     if dist.is_main:
         (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
@@ -438,8 +433,7 @@ def _train_run(
         with stop_on_signals(loop.stop), explain_collective_failure(dist, "a training step"):
             run(loop)
         # Under FSDP the whole weights are gathered from every rank first (a collective).
-        sharded = dist.enabled and config.distributed.strategy == "fsdp"
-        whole = parts.weights.state(model, optimizer)[0] if sharded else None
+        whole = parts.weights.export_state(model)
         if dist.is_main:
             export_safetensors(model, run_dir / "model.safetensors", state=whole)
     except TrainingInterrupted as stopped:
