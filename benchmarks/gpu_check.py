@@ -145,7 +145,7 @@ def data_stall(device: torch.device, *, steps: int, budget_s: float, work: int) 
     import stoker
     from stoker.config import config_from_options
     from stoker.observe.tune import tune
-    from stoker.train.session import UserComponents
+    from stoker.train.pipeline import UserComponents
 
     data = BusySamples(n=16384, features=32, work=work)
     options: dict[str, Any] = {

@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 from stoker.config import validate_config
 from stoker.observe.stages import usable_cores
 from stoker.observe.tune import Candidate, LoaderMeasure, search_space, successive_halving
-from stoker.train.session import build_pipeline
+from stoker.train.pipeline import build_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BusySamples

@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: building a pipeline imports the training stack, which `--help` skips.
-    from stoker.train.session import build_pipeline
+    from stoker.train.pipeline import build_pipeline
     from stoker.train.state import seed_everything
 
     config = load_config(args.config, args.overrides)

@@ -32,7 +32,7 @@ from stoker.observe.stages import (
     usable_cores,
     worker_counts,
 )
-from stoker.train.session import UserComponents, build_pipeline
+from stoker.train.pipeline import UserComponents, build_pipeline
 
 __all__ = [
     "CHEAP_SAMPLE_S",

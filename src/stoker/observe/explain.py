@@ -13,7 +13,7 @@ import torch
 from stoker.errors import StokerError
 
 if TYPE_CHECKING:
-    from stoker.train.session import Pipeline
+    from stoker.train.pipeline import Pipeline
 
 __all__ = ["GraphEdge", "GraphExplanation", "GraphNode", "explain", "explain_first_batch"]
 
@@ -249,7 +249,7 @@ def explain_first_batch(pipeline: Pipeline, *, max_nodes: int = 200) -> GraphExp
     parameters.
 
     Args:
-        pipeline: From :func:`stoker.train.session.build_pipeline`.
+        pipeline: From :func:`stoker.train.pipeline.build_pipeline`.
         max_nodes: Keep at most this many nodes.
 
     Raises:

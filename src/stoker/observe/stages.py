@@ -24,8 +24,9 @@ from stoker.data.device import move_to_device
 from stoker.data.loader import PerSampleView
 from stoker.train.batch import batch_size_of, forward, split_batch
 from stoker.train.optim import build_optimizer
+from stoker.train.pipeline import Pipeline, UserComponents, build_train_loader
 from stoker.train.precision import Precision
-from stoker.train.session import Pipeline, UserComponents, build_train_loader, train_run
+from stoker.train.session import train_run
 
 __all__ = [
     "FetchFigures",

@@ -33,7 +33,7 @@ from stoker.observe.stages import (
     warmup_batches,
     worker_counts,
 )
-from stoker.train.session import Pipeline, UserComponents, build_pipeline, build_train_loader
+from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline, build_train_loader
 
 __all__ = [
     "Candidate",

@@ -14,7 +14,8 @@ from torch.utils.data import Dataset, IterableDataset
 from stoker.config import config_from_options
 from stoker.data.sources import ArrayDataset, split_dataset
 from stoker.errors import ConfigError
-from stoker.train.session import FitResult, UserComponents, train_run
+from stoker.train.pipeline import UserComponents
+from stoker.train.session import FitResult, train_run
 
 DataLike = Dataset | IterableDataset | Sequence[torch.Tensor | np.ndarray]
 

@@ -6,14 +6,12 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
 
 from stoker import components
 from stoker.checkpoint import (
@@ -24,10 +22,7 @@ from stoker.checkpoint import (
     load_checkpoint,
 )
 from stoker.config import RunConfig, write_config
-from stoker.data.cache import CachedDataset
-from stoker.data.device import resolve_device
 from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_fingerprint
-from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.records import BadRecordLog
 from stoker.distributed.guards import (
@@ -38,7 +33,6 @@ from stoker.distributed.guards import (
     explain_collective_failure,
 )
 from stoker.distributed.runtime import Distributed, distributed_run
-from stoker.distributed.sharding import rank_share
 from stoker.errors import CheckpointError, ConfigError, TrainingInterrupted
 from stoker.observe.progress import build_progress
 from stoker.observe.report import write_report
@@ -52,6 +46,7 @@ from stoker.train.loop import Loop, Monitor, run
 from stoker.train.metrics import Task
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
+from stoker.train.pipeline import UserComponents, build_pipeline
 from stoker.train.precision import Precision
 from stoker.train.resume import ResumableParts, resume_mismatches, stop_on_signals
 from stoker.train.rundir import create_run_dir
@@ -81,119 +76,6 @@ class FitResult:
     best_value: float | None
     best_epoch: int | None
     stopped_early: bool
-
-
-@dataclass(frozen=True)
-class UserComponents:
-    """Python objects given to ``stoker.fit`` instead of config names."""
-
-    model: nn.Module | None = None
-    train_data: Dataset | None = None
-    val_data: Dataset | None = None
-    loss_fn: Callable | None = None
-    collate_fn: Callable | None = None
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """The data-to-loss half of a run: what the doctor and the tuner measure too."""
-
-    config: RunConfig
-    device: torch.device
-    model: nn.Module
-    train_data: Dataset
-    val_data: Dataset | None
-    loss_fn: Callable
-    collate_fn: Callable | None
-    train_loader: EpochLoader
-    val_loader: EpochLoader | None
-
-
-def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -> Pipeline:
-    """Build model, datasets, loss and loaders from config (``user`` objects win)."""
-    device = resolve_device(config.train.device)
-    model = user.model if user.model is not None else components.build_model(config)
-    if user.train_data is not None:
-        train_data, val_data = user.train_data, user.val_data
-    else:
-        train_data, val_data = components.build_datasets(config)
-    loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
-    collate_fn = user.collate_fn or components.build_collate_fn(config)
-    train_data = _cached(config, train_data)
-    train_loader = build_train_loader(config, train_data, device=device, collate_fn=collate_fn)
-    val_loader = None
-    if val_data is not None:
-        loader_cfg = config.loader
-        val_loader = build_loader(
-            # DDP: each rank validates its share and the metric sums are reduced. FSDP needs
-            # every rank in every forward, so there each rank validates the whole set.
-            val_data if config.distributed.strategy == "fsdp" else rank_share(val_data),
-            batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
-            num_workers=loader_cfg.num_workers,
-            pin_memory=loader_cfg.pin_memory,
-            persistent_workers=loader_cfg.persistent_workers,
-            prefetch_factor=loader_cfg.prefetch_factor,
-            collate_fn=collate_fn,
-            seed=config.seed,
-            device=device,
-            timeout_s=loader_cfg.timeout_s,
-            split_across_ranks=False,  # already this rank's share (DDP), or all of it (FSDP)
-        )
-    return Pipeline(
-        config=config,
-        device=device,
-        model=model,
-        train_data=train_data,
-        val_data=val_data,
-        loss_fn=loss_fn,
-        collate_fn=collate_fn,
-        train_loader=train_loader,
-        val_loader=val_loader,
-    )
-
-
-def _cached(config: RunConfig, dataset: Dataset) -> Dataset:
-    """Wrap the training data in a cache when ``data.cache`` asks for one."""
-    data = config.data
-    if data.cache == "none":
-        return dataset
-    if data.cache == "disk" and data.cache_path is None:
-        raise ConfigError(
-            "data.cache=disk needs a folder for the cache",
-            hint="set data.cache_path=/fast/disk/cache-<name>",
-        )
-    cached = CachedDataset(dataset, mode=data.cache, path=data.cache_path)
-    if data.cache == "memory" and config.loader.num_workers > 0:
-        # Fill it before the workers fork, so they share it instead of each filling a copy.
-        cached.warm()
-    return cached
-
-
-def build_train_loader(
-    config: RunConfig,
-    dataset: Dataset,
-    *,
-    device: torch.device,
-    collate_fn: Callable | None,
-    **overrides: Any,
-) -> EpochLoader:
-    """The training loader from ``config.loader``; ``overrides`` replace single knobs."""
-    loader_cfg = config.loader
-    options: dict[str, Any] = {
-        "batch_size": loader_cfg.batch_size,
-        "shuffle": _shuffle(loader_cfg.shuffle, dataset),
-        "drop_last": loader_cfg.drop_last,
-        "sampler": loader_cfg.sampler,
-        "weights": loader_cfg.weights,
-        "num_workers": loader_cfg.num_workers,
-        "pin_memory": loader_cfg.pin_memory,
-        "persistent_workers": loader_cfg.persistent_workers,
-        "prefetch_factor": loader_cfg.prefetch_factor,
-        "bucket_size_multiplier": loader_cfg.bucket_size_multiplier,
-        "timeout_s": loader_cfg.timeout_s,
-    }
-    options.update(overrides)
-    return build_loader(dataset, collate_fn=collate_fn, seed=config.seed, device=device, **options)
 
 
 def train_run(
@@ -473,12 +355,6 @@ def _prefetch(setting: bool | str, device: torch.device) -> bool:
             f"train.prefetch=true needs a CUDA device; this run trains on {device}",
             hint="set train.prefetch=auto (on with CUDA, off elsewhere)",
         )
-    return bool(setting)
-
-
-def _shuffle(setting: bool | str, dataset: Dataset) -> bool:
-    if setting == "auto":
-        return not isinstance(dataset, IterableDataset)
     return bool(setting)
 
 
