@@ -34,6 +34,7 @@ from stoker.train.numerics import (
     overflow_step,
     roll_back,
 )
+from stoker.train.optim_calls import OptimizerCalls
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
 
@@ -131,8 +132,14 @@ class Loop:
     no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     #: Distributed: combines every rank's (loss finite, gradients finite) into one verdict.
     agree_finite: Callable[[bool, bool], tuple[bool, bool]] | None = None
+    #: ``optimizer.step()`` and ``zero_grad()`` as the loop makes them: through the scaler
+    #: when scaling (fp16), else without torch.optim's Python when provably the same.
+    optimizer_calls: OptimizerCalls = field(init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.optimizer_calls = OptimizerCalls(self.optimizer, self.precision)
 
     def to_device(self, batch: Any) -> Any:
         """Step 2, transfer: every tensor of ``batch`` to the training device.
@@ -305,6 +312,7 @@ def _update(
 ) -> None:
     """Steps 6 to 9 of a step whose gradients are accumulated: check, update, record."""
     state, precision, optimizer = loop.state, loop.precision, loop.optimizer
+    calls = loop.optimizer_calls
     # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
     # or the optimizer touch anything: the step's one CPU–GPU sync point.
     precision.unscale_(optimizer)
@@ -319,13 +327,13 @@ def _update(
             health.before_step(loop.model, state.step)  # per-layer norms on sampled steps
         if not window.norms or loop.clipper.clipping:
             norm = _clip(loop, wanted=not window.norms)
-        precision.step(optimizer)
+        calls.step()  # precision.step(optimizer) when scaling (fp16)
         loop.numerics.stepped()
     elif verdict == "overflow":
         overflow_step(loop)  # fp16: the scaler skips the step and lowers its scale
     else:
         precision.skip_step(optimizer)  # on_nonfinite=skip: nothing is updated
-    optimizer.zero_grad(set_to_none=True)
+    calls.zero_grad()  # optimizer.zero_grad(set_to_none=True)
     # 8. Schedule: the lr moves once per step, a skipped one too (as with fp16 overflow).
     loop.scheduler.step()
     # The optimizer phase runs on to the next fetch: it holds the record below too.

@@ -75,14 +75,15 @@ def _batches(x: torch.Tensor, y: torch.Tensor, size: int):
 def _grads_after_one_step(model: nn.Module, batches, accum: int) -> list[torch.Tensor]:
     loop = _loop(model, accum=accum)
     captured: list[torch.Tensor] = []
-    original_step = loop.precision.step
+    original_step = loop.optimizer_calls.step
 
-    def capture_then_step(optimizer):
+    def capture_then_step():
         captured.extend(p.grad.clone() for p in model.parameters())
-        original_step(optimizer)
+        original_step()
 
-    loop.precision.step = capture_then_step  # type: ignore[method-assign]
+    loop.optimizer_calls.step = capture_then_step
     train_step(loop, batches, TaskMetrics("classification"), StepWindow.empty(loop.device))
+    assert len(captured) == len(list(model.parameters()))  # the step ran, once
     return captured
 
 
@@ -210,15 +211,16 @@ def test_token_normalization_matches_one_batch_of_all_real_tokens() -> None:
         loop = _loop(model, accum=accum)
         loop.normalize = "tokens"
         captured = []
-        real_step = loop.precision.step
+        real_step = loop.optimizer_calls.step
 
-        def capture(optimizer):
+        def capture():
             captured.extend(p.grad.clone() for p in model.parameters())
-            real_step(optimizer)
+            real_step()
 
-        loop.precision.step = capture
+        loop.optimizer_calls.step = capture
         metrics = TaskMetrics("classification", ignore_index=-100)
         train_step(loop, iter(batches), metrics, StepWindow.empty(loop.device))
+        assert len(captured) == len(list(model.parameters()))  # the step ran, once
         return captured
 
     whole = grads([(ids, targets)], accum=1)
@@ -302,13 +304,13 @@ def test_the_grad_norm_is_measured_on_a_windows_first_step_unless_clipping_needs
     batches = _batches(x[:96], y[:96], 32)
     metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
     expected = []
-    real_step = loop.precision.step
+    real_step = loop.optimizer_calls.step
 
-    def note_norm(optimizer):
+    def note_norm():
         expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-        real_step(optimizer)
+        real_step()
 
-    loop.precision.step = note_norm  # type: ignore[method-assign]
+    loop.optimizer_calls.step = note_norm
     for _ in range(3):
         train_step(loop, batches, metrics, window)
     assert (window.steps, window.losses, window.norms) == (3, 3, norms)
