@@ -1,28 +1,32 @@
 """Per-step phase timers: data wait, transfer, forward, backward, optimizer (and, in a
 distributed run, the communication that fetching a batch waits in).
 
-On the CPU a phase ends with a ``perf_counter`` read (tens of nanoseconds), and
-``transfer`` is reported as 0: training on the CPU the batch is already where it is
-used (``Loop.to_device`` passes it through), so the loop takes no stamp for it and
-``lap("transfer")`` is a no-op there (``PhaseTimer.times_transfer`` is False). Steps
-share their boundaries: the clock read that starts a step also ends the one before, so
-a step costs four reads (start, data ready, forward, backward) and its optimizer phase
-runs to the next fetch — the optimizer step, the lr schedule and the loop's own
-bookkeeping between steps. Work that is not part of a step (a checkpoint, a metrics
-record) is cut out with ``close_step``; on CUDA too, where the optimizer phase ends at
-an event recorded at the next fetch. On CUDA the host runs ahead of the device, so
-host clocks would time kernel *launches*; there each phase boundary records a CUDA
-event instead, and the events are read lazily — when ``summary`` is asked for, once per
-epoch — so timing adds no synchronization to the step. Data wait is always a host
-time: it is the time the training thread is blocked on the loader, less the time it
-spent in collectives (``PhaseTimer.communication``), which is the ``communication``
-phase.
+The loop reads the clock at each boundary of a step into a local and hands the step's
+readings over in one call at its end (see ``PhaseTimer``): on the CPU a step costs four
+``perf_counter`` reads and one list append, and no Python call of the timer's own — in
+a training step each call costs several times its ``timeit`` figure
+(``benchmarks/instrumentation.py``). Steps share their boundaries: the reading that
+starts a step's fetch also ends the step before, so the optimizer phase runs to the
+next fetch — the optimizer step, the lr schedule and the loop's own bookkeeping
+between steps. Work that is not part of a step (a checkpoint, a metrics record) is cut
+out with ``close_step``.
+
+On the CPU ``transfer`` is 0: the batch is already where it is used (``Loop.to_device``
+passes it through), so the loop reads no clock for it (``PhaseTimer.times_transfer`` is
+False) and hands over the arrival reading again. On CUDA the host runs ahead of the
+device, so host clocks would time kernel *launches*; there each reading also records a
+CUDA event, the device phases are timed between events, and the events are read
+lazily — when ``summary`` is asked for, once per epoch — so timing adds no
+synchronization to the step. Data wait is always a host time: it is the time the
+training thread is blocked on the loader, less the time it spent in collectives
+(``PhaseTimer.communication``), which is the ``communication`` phase.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +39,14 @@ COMMUNICATION = "communication"
 #: A step's row of durations, in the order the phases are shown.
 _COLUMNS = (PHASES[0], COMMUNICATION, *PHASES[1:])
 _INDEX = {phase: index for index, phase in enumerate(_COLUMNS)}
-_DATA, _TALK = _INDEX["data_wait"], _INDEX[COMMUNICATION]
+_DATA, _TALK, _OPTIMIZER = _INDEX["data_wait"], _INDEX[COMMUNICATION], _INDEX["optimizer"]
+#: The columns of a micro-batch's three laps: transfer, forward, backward.
+_LAPS = slice(_INDEX["transfer"], _INDEX["backward"] + 1)
+#: Readings per micro-batch after the fetch's two: at the end of transfer, forward, backward.
+_PER_MICRO = 3
+
+#: A clock reading: seconds on the host; (seconds, CUDA event) on CUDA.
+Reading = Any
 
 
 @dataclass(frozen=True)
@@ -49,176 +60,92 @@ class PhaseStats:
 
 
 class PhaseTimer:
-    """Accumulates phase durations per step; summarizes them per epoch.
+    """Takes each step's clock readings; summarizes them per epoch.
 
-    A step: ``fetch`` the batch (or ``start_step``, fetch, ``data_ready``), then
-    ``lap(phase)`` at the end of transfer, forward and backward (several times per step
-    with gradient accumulation: laps add up). The optimizer phase has no call of its
-    own: it ends where the next step's fetch starts, so the loop's bookkeeping between
-    steps counts as the optimizer phase's. Call ``close_step`` before work that is no
-    step's (a checkpoint save, a metrics record, the end of an epoch): the time until the
-    next fetch then counts nowhere. A loader that waits in a collective while fetching
-    calls ``communication(seconds)``.
+    A step, as the loop makes it::
+
+        fetching = timer.now()      # the step starts (and the one before ends)
+        batch = next(batches)
+        fetched = timer.now()       # the batch has arrived
+        transferred = timer.now()   # after the copy (on the CPU: `fetched` again)
+        forwarded = timer.now()     # after forward and loss
+        backwarded = timer.now()    # after backward
+        timer.record((fetching, fetched, transferred, forwarded, backwarded))
+
+    With gradient accumulation the last three readings come once per micro-batch, in
+    that order. The optimizer phase has no reading of its own: it ends at the next
+    step's ``fetching``. Call ``close_step`` before work that is no step's (a checkpoint
+    save, a metrics record, the end of an epoch): the time until the next fetch then
+    counts nowhere. A fetch that finds no batch is no step: ``close_step(fetching)``
+    ends the step before where that fetch began. A loader that waits in a collective
+    while fetching calls ``communication(seconds)``.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        #: Whether ``lap("transfer")`` measures anything: on the CPU transfer is 0 (no copy).
+        #: Whether the loop reads the clock after a transfer: on the CPU there is no copy.
         self.times_transfer = device.type != "cpu"
-        # Host stamps per micro-batch: (transfer,) forward, backward.
-        self._per_micro = 3 if self.times_transfer else 2
-        # Decoded steps, one row of _COLUMNS each, in arrays of a few hundred rows.
+        #: Reads the clock at a phase boundary (on the host, ``perf_counter`` itself).
+        self.now: Callable[[], Reading] = _host_and_event if self._cuda else time.perf_counter
+        # The recorded steps' readings, a tuple each, not decoded yet.
+        self._steps: list[tuple[Reading, ...]] = []
+        #: Hands over one step's readings: the list's own append, so no Python frame.
+        self.record: Callable[[tuple[Reading, ...]], None] = self._steps.append
+        # (steps recorded before, seconds, host clock) per communication call: the step
+        # being fetched then, if its fetch had begun.
+        self._talks: list[tuple[int, float, float]] = []
+        # (steps recorded before, reading) per close_step: the last recorded step's end.
+        self._closes: list[tuple[int, Reading]] = []
+        # Decoded steps, one row of _COLUMNS each, an array per decode.
         self._rows: list[np.ndarray] = []
         self._run_rows: list[np.ndarray] = []
-        # Host: one perf_counter stamp per boundary, a step's start stored negated; the
-        # durations are worked out when read, so the step itself only appends floats.
-        self._stamps: list[float] = []
-        # Host: (stamps so far, seconds) per communication call, for the step it falls in.
-        self._talks: list[tuple[int, float]] = []
-        # Host: len(_stamps) after the last close_step, so a second one adds nothing.
-        self._closed_at = -1
-        # CUDA: ended steps (data wait, communication, events), and the open step's.
-        self._pending: list[tuple[float, float, list[tuple[int, object, object]]]] = []
-        self._events: list[tuple[int, object, object]] = []
-        self._step_started = 0.0
-        self._data_wait = 0.0
-        self._talk_s = 0.0
-        self._last_event: object | None = None
-        if not self._cuda:
-            self._use_host_calls()
-
-    def _use_host_calls(self) -> None:
-        """Replace the hot calls by closures over the stamp list: on the host each call is
-        then clock reads and appends, with no attribute lookups. In the loop a call costs
-        more than the clock read it makes (see benchmarks/instrumentation.py), so the
-        fetch takes one call for its two stamps."""
-        append, clock = self._stamps.append, time.perf_counter
-
-        def start_step() -> None:
-            append(-clock())
-
-        def data_ready() -> None:
-            append(clock())
-
-        def fetch(batches: Iterator[Any], default: Any = None) -> Any:
-            append(-clock())
-            batch = next(batches, default)
-            append(clock())
-            return batch
-
-        def lap(phase: str) -> None:
-            if phase != "transfer":  # on the CPU there is no copy to time
-                append(clock())
-
-        def stamp(phase: str) -> None:  # an accelerator timed on the host: every phase
-            append(clock())
-
-        self.start_step = start_step  # type: ignore[method-assign]
-        self.data_ready = data_ready  # type: ignore[method-assign]
-        self.fetch = fetch  # type: ignore[method-assign]
-        self.lap = stamp if self.times_transfer else lap  # type: ignore[method-assign]
-
-    def start_step(self) -> None:
-        """The fetch of a step's batch begins, and the step before ends."""
-        if self._cuda:
-            self._end_open_step()
-            self._talk_s = 0.0
-            self._step_started = time.perf_counter()
-        else:
-            self._stamps.append(-time.perf_counter())
 
     def communication(self, seconds: float) -> None:
-        """``seconds`` of this step's data fetch went waiting in a collective (the ranks
+        """``seconds`` of the current fetch went waiting in a collective (the ranks
         agreeing that all have a batch): the communication phase, not data wait.
 
-        Call it between ``start_step`` and ``data_ready`` (inside ``fetch``), once per
-        collective or once with their sum; calls add up. Unlike the other calls it is not
-        made in a single-process run, so it is an ordinary method.
+        Call it during the fetch (between ``fetching`` and ``fetched``), once per
+        collective or once with their sum; calls add up. A call outside any step's
+        fetch (before an epoch's first, or in a fetch that finds no batch) belongs to no
+        step and is dropped. Only distributed runs call it: its clock read is no cost to
+        a single process.
         """
-        if self._cuda:
-            self._talk_s += seconds
-        else:
-            self._talks.append((len(self._stamps), seconds))
+        self._talks.append((len(self._steps), seconds, time.perf_counter()))
 
-    def data_ready(self) -> None:
-        """The step's batch has arrived."""
-        if self._cuda:
-            self._data_wait = time.perf_counter() - self._step_started
-            self._last_event = _record_event()
-        else:
-            self._stamps.append(time.perf_counter())
+    def close_step(self, at: Reading | None = None) -> None:
+        """End the last recorded step now (or at the reading ``at``): what runs until
+        the next fetch is no step's time. A second close adds nothing."""
+        count, closes = len(self._steps), self._closes
+        if count and not (closes and closes[-1][0] == count):
+            closes.append((count, self.now() if at is None else at))
 
-    def fetch(self, batches: Iterator[Any], default: Any = None) -> Any:
-        """``start_step``, ``next(batches, default)``, ``data_ready``: the step's fetch."""
-        self.start_step()
-        batch = next(batches, default)
-        self.data_ready()
-        return batch
+    def _decode(self) -> None:
+        """Decode the ended steps into rows; keep an open last step, with its talks.
 
-    def lap(self, phase: str) -> None:
-        """End ``phase``: transfer, forward or backward. On the host the order is the
-        loop's, so only the time is kept; on the CPU transfer takes no stamp."""
-        if self._cuda:
-            event = _record_event()
-            self._events.append((_INDEX[phase], self._last_event, event))
-            self._last_event = event
-        elif self.times_transfer or phase != "transfer":
-            self._stamps.append(time.perf_counter())
-
-    def close_step(self) -> None:
-        """End the current step now: what runs until the next fetch is no step's time."""
-        if self._cuda:
-            self._end_open_step()
-            return
-        stamps = self._stamps
-        if stamps and len(stamps) != self._closed_at:
-            stamps.append(time.perf_counter())
-            self._closed_at = len(stamps)
-
-    def _end_open_step(self) -> None:
-        """CUDA: an event after the open step's optimizer work ends it (a fetch that found
-        no batch has no laps and is no step)."""
-        if self._events:
-            end = _record_event()
-            self._events.append((_INDEX["optimizer"], self._last_event, end))
-            # Device times are read later, when the events have surely completed.
-            self._pending.append((self._data_wait, self._talk_s, self._events))
-        self._events = []
-
-    def _resolve_pending(self) -> None:
-        if self._stamps:
-            self._decode_stamps()
-        if not self._pending:
-            return
-        self._pending[-1][2][-1][2].synchronize()  # type: ignore[attr-defined]  # one sync per read
-        rows = np.zeros((len(self._pending), len(_COLUMNS)))
-        for row, (data_wait, talk_s, events) in zip(rows, self._pending, strict=True):
-            row[_DATA], row[_TALK] = max(data_wait - talk_s, 0.0), talk_s
-            for index, start, end in events:
-                row[index] += start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
-        self._rows.append(rows)
-        self._pending = []
-
-    def _decode_stamps(self) -> None:
-        """Decode the ended steps' stamps into rows; keep an open last step's stamps."""
-        rows, kept_from = _decode_stamps(self._stamps, self._talks, self._per_micro)
+        Called between steps (no fetch is under way), so a talk with no recorded step
+        to go with belongs to none.
+        """
+        decode = _device_rows if self._cuda else _host_rows
+        rows, decoded = decode(self._steps, self._talks, self._closes)
         if len(rows):
             self._rows.append(rows)
-        # In place: the host closures append to this very list.
-        del self._stamps[:kept_from]
-        self._talks[:] = [(at - kept_from, s) for at, s in self._talks if at > kept_from]
-        self._closed_at = -1
+        del self._steps[:decoded]  # in place: `record` is this very list's append
+        kept = len(self._steps)  # 1 while the last step is open, else 0
+        self._talks[:] = [
+            (at - decoded, *talk) for at, *talk in self._talks if 0 <= at - decoded < kept
+        ]
+        self._closes.clear()  # an open step has none
 
     @property
     def steps(self) -> int:
-        self._resolve_pending()
+        self._decode()
         return sum(len(rows) for rows in self._rows)
 
     def summary(self, *, whole_run: bool = False) -> dict[str, PhaseStats]:
         """Per-phase statistics over the ended steps since the last ``reset`` (or the
         whole run). ``communication`` is there only when some step had any.
         """
-        self._resolve_pending()
+        self._decode()
         chunks = self._run_rows + self._rows if whole_run else self._rows
         if not chunks:
             return {}
@@ -228,95 +155,113 @@ class PhaseTimer:
         """Start a new epoch's statistics; the run's keep everything. A step still open
         ends here: what ran since (validation, a checkpoint) is no step's time."""
         self.close_step()
-        self._resolve_pending()
+        self._decode()
         self._run_rows.extend(self._rows)
         self._rows = []
 
 
-def _decode_stamps(
-    stamps: list[float], talks: list[tuple[int, float]], per_micro: int = 2
-) -> tuple[np.ndarray, int]:
-    """Per-step rows of phase durations from host stamps, and where the stamps of a
-    step that has not ended yet begin (all of them are decoded when that is the length).
-
-    A step's stamps: -start, data ready, then (forward, backward) per micro-batch —
-    (transfer, forward, backward) when ``per_micro`` is 3 (an accelerator timed on the
-    host, e.g. MPS) — and, when ``close_step`` ended it, one more. Otherwise it ends
-    at the next step's start. ``talks`` are communication calls. A fetch that found the
-    epoch empty (a start and data ready, nothing more) is no step. Vectorized: an
-    epoch's steps are decoded in a few array operations.
-    """
-    at = np.fromiter(stamps, np.float64, len(stamps))
-    starts = np.flatnonzero(at < 0)
-    if not len(starts):
-        return np.zeros((0, len(_COLUMNS))), len(stamps)
-    lengths = np.diff(starts, append=len(at))  # stamps per step: to the next start, or the end
-    body = lengths - 2  # after the start and data-ready stamps
-    closed = body % per_micro == 1  # close_step added the end stamp
-    micro, rest = np.divmod(body - closed, per_micro)
-    open_last = not closed[-1] and micro[-1] > 0
-    kept_from = int(starts[-1]) if open_last else len(stamps)
-    # A step that did not close itself ends where the next one starts.
-    ends = np.empty(len(starts))
-    ends[:-1] = -at[starts[1:]]
-    ends[closed] = at[starts[closed] + lengths[closed] - 1]
-    valid = (micro > 0) & (rest == 0)
-    valid[-1] &= not open_last
-    talk_s = _talk_per_step(starts, talks)
-    counts = micro[valid]
-    if not len(counts):
-        return np.zeros((0, len(_COLUMNS))), kept_from
-    if counts.min() == counts.max():  # the usual case: one number of micro-batches
-        chosen = np.flatnonzero(valid)
-        return _group_rows(at, starts, ends, talk_s, chosen, int(counts[0]), per_micro), kept_from
-    decoded, order = [], []
-    for count in np.unique(counts):  # micro-batches per step vary (a short last group)
-        chosen = np.flatnonzero(valid & (micro == count))
-        decoded.append(_group_rows(at, starts, ends, talk_s, chosen, int(count), per_micro))
-        order.append(chosen)
-    rows = np.concatenate(decoded)[np.argsort(np.concatenate(order), kind="stable")]
-    return rows, kept_from
+def _host_and_event() -> tuple[float, object]:
+    """A CUDA reading: the host clock, and an event recorded on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return time.perf_counter(), event
 
 
-def _group_rows(
-    at: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    talk_s: np.ndarray,
-    chosen: np.ndarray,
-    micro: int,
-    per_micro: int,
+def _ends(steps: Sequence[tuple[Reading, ...]], closes: list[tuple[int, Reading]]) -> list:
+    """Each step's end: its close, else the next step's start; None while it is open."""
+    ends: list[Reading | None] = [step[0] for step in steps[1:]]
+    ends.append(None)
+    for count, reading in closes:
+        ends[count - 1] = reading  # the close came when `count` steps were recorded
+    return ends
+
+
+def _talk_seconds(
+    talks: list[tuple[int, float, float]], starts: Sequence[float], count: int
 ) -> np.ndarray:
-    """Rows for the ``chosen`` steps, which all have ``micro`` micro-batches."""
-    width = 2 + per_micro * micro
-    group = np.empty((len(chosen), width + 1))
-    group[:, :width] = at[starts[chosen, None] + np.arange(width)]
-    group[:, width] = ends[chosen]
-    return _durations(group, talk_s[chosen], per_micro)
+    """Communication seconds of each of the first ``count`` steps: the calls made after
+    the step's fetch began (``starts``: each step's fetch start on the host clock)."""
+    seconds = np.zeros(count)
+    for at, talked, when in talks:
+        if at < count and when >= starts[at]:
+            seconds[at] += talked
+    return seconds
 
 
-def _talk_per_step(starts: np.ndarray, talks: list[tuple[int, float]]) -> np.ndarray:
-    """Communication seconds per step; a call made after stamp ``i - 1`` belongs to the
-    step that stamp is in (calls before the first start belong to no step)."""
-    talk_s = np.zeros(len(starts))
+def _host_rows(
+    steps: list[tuple[float, ...]],
+    talks: list[tuple[int, float, float]],
+    closes: list[tuple[int, float]],
+) -> tuple[np.ndarray, int]:
+    """Rows of the ended steps from host readings, and how many steps that is (all but
+    an open last one). Vectorized: an epoch's steps take a few array operations."""
+    count = len(steps)
+    if not count:
+        return np.zeros((0, len(_COLUMNS))), 0
+    widths = {len(step) for step in steps}
+    if len(widths) == 1:  # one number of micro-batches: the usual case
+        (width,) = widths
+        flat = np.fromiter(itertools.chain.from_iterable(steps), np.float64, count * width)
+        table = flat.reshape(count, width)
+        ends = np.empty(count)
+        ends[:-1] = table[1:, 0]  # a step ends where the next one starts,
+        ends[-1] = np.nan
+        for at, reading in closes:  # or where close_step ended it
+            ends[at - 1] = reading
+        decoded = count if not np.isnan(ends[-1]) else count - 1
+        rows = _durations(table[:decoded], ends[:decoded])
+    else:  # accumulation with a short last group: a table per number of micro-batches
+        ends_list = _ends(steps, closes)
+        decoded = count if ends_list[-1] is not None else count - 1
+        rows = np.empty((decoded, len(_COLUMNS)))
+        for width in widths:
+            chosen = [i for i in range(decoded) if len(steps[i]) == width]
+            table = np.array([steps[i] for i in chosen], dtype=np.float64).reshape(-1, width)
+            rows[chosen] = _durations(table, np.array([ends_list[i] for i in chosen]))
     if talks:
-        where, seconds = (np.array(column) for column in zip(*talks, strict=True))
-        step = np.searchsorted(starts, where - 1, side="right") - 1
-        np.add.at(talk_s, step[step >= 0], seconds[step >= 0])
-    return talk_s
+        talk_s = _talk_seconds(talks, [step[0] for step in steps[:decoded]], decoded)
+        rows[:, _TALK] = talk_s
+        np.maximum(rows[:, _DATA] - talk_s, 0.0, out=rows[:, _DATA])
+    return rows, decoded
 
 
-def _durations(group: np.ndarray, talk_s: np.ndarray, per_micro: int) -> np.ndarray:
-    """Rows for steps of the same number of micro-batches (``group``: one step's stamps
-    a row, its end last)."""
-    laps = np.diff(group[:, 1:], axis=1)  # ((transfer,) forward, backward) × m, optimizer
-    micro = laps[:, :-1].reshape(len(group), -1, per_micro).sum(axis=1)
-    rows = np.zeros((len(group), len(_COLUMNS)))  # transfer stays 0 on the CPU
-    rows[:, _DATA] = np.maximum(group[:, 1] + group[:, 0] - talk_s, 0.0)
-    rows[:, _TALK] = talk_s
-    rows[:, _TALK + 4 - per_micro : _TALK + 4] = micro
-    rows[:, -1] = laps[:, -1]
+def _durations(table: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Rows for steps of one number of micro-batches: ``table`` holds a step's readings
+    a row, ``ends`` each step's end."""
+    rows = np.zeros((len(table), len(_COLUMNS)))
+    if not len(table):
+        return rows
+    np.subtract(table[:, 1], table[:, 0], out=rows[:, _DATA])
+    laps = table[:, 2:] - table[:, 1:-1]  # (transfer, forward, backward) per micro-batch
+    rows[:, _LAPS] = laps.reshape(len(table), -1, _PER_MICRO).sum(axis=1)
+    np.subtract(ends, table[:, -1], out=rows[:, _OPTIMIZER])
     return rows
+
+
+def _device_rows(
+    steps: list[tuple[tuple[float, Any], ...]],
+    talks: list[tuple[int, float, float]],
+    closes: list[tuple[int, tuple[float, Any]]],
+) -> tuple[np.ndarray, int]:
+    """``_host_rows`` for CUDA readings: data wait from the host clocks, the device
+    phases between the events, read after one synchronization (on the newest end)."""
+    if not steps:
+        return np.zeros((0, len(_COLUMNS))), 0
+    ends = _ends(steps, closes)
+    decoded = len(steps) if ends[-1] is not None else len(steps) - 1
+    rows = np.zeros((decoded, len(_COLUMNS)))
+    if not decoded:
+        return rows, 0
+    ends[decoded - 1][1].synchronize()  # the one sync: every earlier event is done too
+    talk_s = _talk_seconds(talks, [step[0][0] for step in steps[:decoded]], decoded)
+    for row, step, end, talked in zip(rows, steps, ends, talk_s, strict=False):
+        (started, _), (arrived, previous), *marks = step
+        row[_DATA], row[_TALK] = max(arrived - started - talked, 0.0), talked
+        for index, (_, event) in enumerate(marks):
+            row[_LAPS.start + index % _PER_MICRO] += previous.elapsed_time(event) / 1000.0
+            previous = event
+        row[_OPTIMIZER] = previous.elapsed_time(end[1]) / 1000.0
+    return rows, decoded
 
 
 def _summarize(rows: np.ndarray) -> dict[str, PhaseStats]:
@@ -343,12 +288,6 @@ def _summarize(rows: np.ndarray) -> dict[str, PhaseStats]:
         )
     stats["step"] = PhaseStats(totals[-1], medians[-1], p95s[-1], 1.0)
     return stats
-
-
-def _record_event() -> object:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def reported_phases(stats: dict[str, PhaseStats]) -> list[str]:

@@ -146,7 +146,7 @@ class Loop:
 
         non_blocking overlaps the copy with compute when the batch is pinned. Training on
         the CPU the batch is already there: it is passed through without walking it, and
-        the transfer phase is reported as 0 (the timer takes no stamp for it).
+        the transfer phase is reported as 0 (the loop reads no clock for it).
         """
         if self.device.type == "cpu":
             return batch
@@ -218,31 +218,32 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     if loop.grad_accum_steps == 1:
         return _train_single(loop, batches, metrics, window)
     state, timer = loop.state, loop.timer
+    now = timer.now
     # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
-    timer.start_step()
+    fetching = now()
     micro_batches = list(islice(batches, loop.grad_accum_steps))
-    timer.data_ready()
+    readings = [fetching, now()]
     if not micro_batches:
+        timer.close_step(fetching)  # the step before ends where this fetch began
         return 0
     pairs = [split_batch(batch) for batch in micro_batches]  # (inputs, targets)
     sizes = [_count(loop, targets) for _, targets in pairs]
     step_count = sum(sizes)
     last = len(pairs) - 1
     step_loss: torch.Tensor | None = None
-    times_transfer = timer.times_transfer
 
     for index, (pair, size) in enumerate(zip(pairs, sizes, strict=True)):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
         inputs, targets = loop.to_device(pair)
-        if times_transfer:  # on the CPU there is nothing to time: transfer is 0
-            timer.lap("transfer")
+        # On the CPU there is nothing to time: the transfer ends where it began.
+        transferred = now() if timer.times_transfer else readings[-1]
         # Under DDP only the step's last backward all-reduces the gradients.
         with loop.no_sync() if index < last else _NO_CONTEXT:
             # 3. Forward and 4. loss, in the run's precision.
             with loop.precision.autocast():
                 outputs = forward(loop.model, inputs)
                 loss = _loss(loop, outputs, targets)
-            timer.lap("forward")
+            forwarded = now()
             # 5. Backward. Weighting by samples (or real tokens) makes the accumulated
             # gradient that of one batch of `step_count`, also for a smaller last
             # micro-batch or group. A lone micro-batch has weight 1: no multiply (the
@@ -255,7 +256,8 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
             weighted = weighted * (size / step_count)
         step_loss = weighted if step_loss is None else step_loss + weighted
         state.micro_step += 1
-        timer.lap("backward")
+        readings += (transferred, forwarded, now())
+    timer.record(tuple(readings))
     assert step_loss is not None  # there was at least one micro-batch
     step_samples = (
         step_count  # already counted samples for the loss weights
@@ -272,28 +274,33 @@ def _train_single(
     """``train_step`` for ``grad_accum_steps=1``: the same step, with no lists of
     micro-batches, no weights and no ``no_sync`` (a lone backward always all-reduces)."""
     timer = loop.timer
-    # 1. Fetch; the time blocked here is the data wait (and the step before ends).
-    batch = timer.fetch(batches, _END)
+    now = timer.now  # each phase's end is read into a local; the timer takes them at the end
+    # 1. Fetch; the time blocked here is the data wait (its start ends the step before).
+    fetching = now()
+    batch = next(batches, _END)
+    fetched = now()
     if batch is _END:
+        timer.close_step(fetching)  # the step before ends where this fetch began
         return 0
     inputs, targets = split_batch(batch)
     size = _count(loop, targets)  # on the host still: counting tokens costs no sync
-    # 2. Transfer: none on the CPU, where the timer takes no stamp for it either.
+    # 2. Transfer: none on the CPU, where no clock is read for it either (it takes 0 s).
+    transferred = fetched
     if timer.times_transfer:
         inputs, targets = loop.to_device((inputs, targets))
-        timer.lap("transfer")
+        transferred = now()
     precision = loop.precision
     # 3. Forward and 4. loss, in the run's precision.
     with precision.autocast():
         outputs = forward(loop.model, inputs)
         loss = _loss(loop, outputs, targets)
-    timer.lap("forward")
+    forwarded = now()
     # 5. Backward: the batch's mean loss, unweighted.
     precision.backward(loss)
     step_loss = loss.detach()
     metrics.update(outputs, targets, step_loss, size)
     loop.state.micro_step += 1
-    timer.lap("backward")
+    timer.record((fetching, fetched, transferred, forwarded, now()))
     samples = size if loop.normalize == "samples" else batch_size_of(targets)
     if step_loss.dtype is not torch.float32:  # .float() of a float32 tensor still dispatches
         step_loss = step_loss.float()

@@ -13,13 +13,17 @@ from stoker.observe.verdict import judge, run_summary, summary_lines
 
 
 def _step(timer: PhaseTimer, waits: dict[str, float]) -> None:
-    timer.start_step()
+    """One step as the loop times it: a reading at each phase's end, handed over at once."""
+    fetching = timer.now()
     time.sleep(waits.get("data_wait", 0))
-    timer.data_ready()
+    readings = [fetching, timer.now()]
     for phase in PHASES[1:-1]:
         time.sleep(waits.get(phase, 0))
-        if phase != "transfer" or timer.times_transfer:  # as the loop: no copy on the CPU
-            timer.lap(phase)
+        if phase == "transfer" and not timer.times_transfer:  # as the loop: no copy on the CPU
+            readings.append(readings[-1])
+        else:
+            readings.append(timer.now())
+    timer.record(tuple(readings))
     time.sleep(waits.get("optimizer", 0))  # the optimizer phase ends at the next fetch
 
 
@@ -42,24 +46,23 @@ def test_phase_timer_attributes_time_to_the_right_phase() -> None:
 
 def test_laps_add_up_over_micro_batches() -> None:
     timer = PhaseTimer(torch.device("cpu"))
-    timer.start_step()
-    timer.data_ready()
+    readings = [timer.now(), timer.now()]
     for _ in range(3):  # three micro-batches, in the loop's order
-        timer.lap("transfer")  # no copy on the CPU: no stamp either
+        transferred = readings[-1]  # no copy on the CPU: no reading either
         time.sleep(0.005)
-        timer.lap("forward")
-        timer.lap("backward")
+        readings += (transferred, timer.now(), timer.now())
+    timer.record(tuple(readings))
     timer.close_step()
     stats = timer.summary()
     assert stats["forward"].total_s >= 0.015
-    assert stats["backward"].total_s < 0.005 and stats["transfer"].total_s < 0.005
+    assert stats["backward"].total_s < 0.005 and stats["transfer"].total_s == 0.0
 
 
 def test_a_fetch_that_found_no_batch_is_not_a_step() -> None:
     timer = PhaseTimer(torch.device("cpu"))
     _step(timer, {})
-    timer.start_step()
-    timer.data_ready()  # the epoch had no batch left: no laps
+    fetching = timer.now()  # the epoch had no batch left
+    timer.close_step(fetching)
     assert timer.steps == 1
 
 

@@ -44,18 +44,29 @@ def _step(
 ) -> None:
     """One step in the loop's order; the fetch takes ``fetch`` s, of which ``talks`` are
     collectives (as RankSyncedLoader reports them). On the CPU there is no transfer to
-    time: two clock reads per micro-batch. The optimizer's time is what the next clock read
-    (the next step's start, or ``close_step``) finds has passed."""
-    timer.start_step()  # ends the step before, reading its optimizer time
-    clock.steps += [fetch] + [lap] * (2 * micro) + [optimizer]
+    time: two clock reads per micro-batch, and the arrival's reading stands for the end of
+    the transfer. The optimizer's time is what the next clock read (the next step's
+    start, or ``close_step``) finds has passed."""
+    fetching = timer.now()  # ends the step before, reading its optimizer time
+    # Each communication call reads the clock too (when the collective ended).
+    clock.steps += [0.0] * len(talks) + [fetch] + [lap] * (2 * micro) + [optimizer]
     for seconds in talks:
         timer.communication(seconds)
-    timer.data_ready()
+    readings = [fetching, timer.now()]
     for _ in range(micro):
-        if timer.times_transfer:  # as the loop: the CPU has no copy to time
-            timer.lap("transfer")
-        timer.lap("forward")
-        timer.lap("backward")
+        transferred = readings[-1]  # as the loop: the CPU has no copy to time
+        readings += (transferred, timer.now(), timer.now())
+    timer.record(tuple(readings))
+
+
+def _empty_fetch(timer: PhaseTimer, clock: _Clock, *, fetch: float, talk: float = 0.0) -> None:
+    """The fetch that finds the epoch over: it ends the step before, and is no step."""
+    fetching = timer.now()
+    clock.steps += [0.0, fetch] if talk else [fetch]
+    if talk:
+        timer.communication(talk)  # the ranks agreed that the epoch is over
+    timer.now()
+    timer.close_step(fetching)
 
 
 def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> None:
@@ -63,9 +74,7 @@ def test_stamps_decode_to_each_phase_with_any_number_of_micro_batches(clock) -> 
     _step(timer, clock, fetch=0.010, micro=1)
     _step(timer, clock, fetch=0.020, micro=3)
     _step(timer, clock, fetch=0.030, micro=1)
-    timer.start_step()  # the fetch that found the epoch empty: not a step
-    clock.steps += [0.005]
-    timer.data_ready()
+    _empty_fetch(timer, clock, fetch=0.005)
     stats = timer.summary()
     assert timer.steps == 3
     assert stats["data_wait"].total_s == pytest.approx(0.060)
@@ -104,11 +113,9 @@ def test_communication_is_taken_out_of_the_data_wait(clock) -> None:
 def test_communication_of_the_empty_last_fetch_is_dropped_with_it(clock) -> None:
     timer = PhaseTimer(torch.device("cpu"))
     timer.communication(0.5)  # before any step (set_epoch's check): no step's
+    clock.steps += [0.001]
     _step(timer, clock, fetch=0.010, talks=(0.004,))
-    timer.start_step()
-    clock.steps += [0.003]
-    timer.communication(0.003)  # the ranks agreed that the epoch is over
-    timer.data_ready()
+    _empty_fetch(timer, clock, fetch=0.003, talk=0.003)
     stats = timer.summary()
     assert timer.steps == 1
     assert stats[COMMUNICATION].total_s == pytest.approx(0.004)
@@ -147,16 +154,17 @@ def test_communication_on_cuda_is_a_host_time_taken_out_of_the_data_wait() -> No
     timer = PhaseTimer(torch.device("cuda"))
     x = torch.randn(256, 256, device="cuda")
     for _ in range(3):
-        timer.start_step()
+        fetching = timer.now()
         timer.communication(0.002)
         timer.communication(0.001)
         wait_until = timing.time.perf_counter() + 0.005
         while timing.time.perf_counter() < wait_until:
             pass
-        timer.data_ready()
-        for phase in PHASES[1:-1]:
+        readings = [fetching, timer.now()]
+        for _phase in PHASES[1:-1]:
             x = x @ x / 256
-            timer.lap(phase)
+            readings.append(timer.now())
+        timer.record(tuple(readings))
         x = x @ x / 256  # the optimizer phase: until the next fetch
     timer.close_step()
     stats = timer.summary()
@@ -170,11 +178,7 @@ def test_a_host_timed_accelerator_keeps_its_transfer_stamp(clock) -> None:
     timer = PhaseTimer(torch.device("meta"))  # not the CPU, not CUDA: stamps on the host
     assert timer.times_transfer
     clock.steps += [0.0, 0.010, 0.003, 0.001, 0.002, 0.004]
-    timer.start_step()
-    timer.data_ready()
-    timer.lap("transfer")
-    timer.lap("forward")
-    timer.lap("backward")
+    timer.record(tuple(timer.now() for _ in range(5)))  # start, arrival, transfer, fwd, bwd
     timer.close_step()
     stats = timer.summary()
     assert stats["transfer"].total_s == pytest.approx(0.003)
@@ -223,18 +227,13 @@ def test_reset_ends_an_open_step_before_the_next_epoch(clock) -> None:
     assert timer.summary(whole_run=True)["step"].total_s == pytest.approx(2 * 0.016)
 
 
-def test_fetch_is_start_next_and_data_ready_in_one_call(clock) -> None:
+def test_an_empty_fetch_ends_the_step_before_where_it_began(clock) -> None:
     timer = PhaseTimer(torch.device("cpu"))
-    end = object()
-    batches = iter([1, 2])
-    clock.steps += [0.0]  # the first fetch's start
-    for expected in (1, 2):
-        clock.steps += [0.003]  # the fetch's wait (read by its data-ready stamp)
-        assert timer.fetch(batches, end) == expected
-        clock.steps += [0.001, 0.002, 0.004]
-        timer.lap("forward")
-        timer.lap("backward")
-    assert timer.fetch(batches, end) is end  # ends the second step; itself no step
+    _step(timer, clock, fetch=0.003, optimizer=0.004)
+    _step(timer, clock, fetch=0.003, optimizer=0.004)
+    _empty_fetch(timer, clock, fetch=0.5)  # e.g. the loader shutting its workers down
+    clock.steps += [1.0]
+    timer.close_step()  # the epoch's end: the step is already over
     stats = timer.summary()
     assert timer.steps == 2
     assert stats["data_wait"].total_s == pytest.approx(0.006)
