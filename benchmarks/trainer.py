@@ -18,7 +18,10 @@ the same ArrayDataset, seed 0, so the same batches in the same order) and optimi
 - ``hand``: the seed's loop body (zero_grad, backward, step);
 - ``stoker``: ``stoker.fit`` (progress quiet, no TensorBoard, no checkpoints);
 - ``lightning``: ``lightning.Trainer.fit`` (no logger, checkpoints, progress bar or
-  model summary), skipped when lightning is not installed.
+  model summary), skipped when lightning is not installed;
+- ``hand_direct``: the hand loop making its optimizer calls as stoker's loop does
+  (``stoker.train.optim_calls``: fused Adam's kernel straight, bitwise the same
+  update), so that stoker / hand_direct is stoker's bookkeeping alone.
   Target: stoker's median step time / hand's <= 1.05, and bitwise-equal final weights.
 
 End to end (5 epochs):
@@ -30,7 +33,8 @@ End to end (5 epochs):
   else stoker's defaults;
 - ``lightning``: Trainer.fit on the seed's DataLoader and optimizer;
 - ``floor``: the same model and optimizer as stoker's (fused Adam) fed pre-batched
-  tensors from a list, with no loader and no bookkeeping.
+  tensors from a list, with no loader and no bookkeeping; ``floor_direct`` the same
+  with stoker's optimizer calls (shown, no target).
   Targets: train time seed / stoker >= 1.6, Lightning / stoker >= 2.5; median step
   time stoker / floor <= 1.10.
 
@@ -75,6 +79,8 @@ from common import (
 
 import stoker
 from stoker.examples.datasets import seed_tabular
+from stoker.train.optim_calls import OptimizerCalls
+from stoker.train.precision import Precision
 
 BATCH = 64
 LR = 1e-2
@@ -92,32 +98,49 @@ def adam(fused: bool | None) -> Callable[[Iterable[nn.Parameter]], torch.optim.O
 # ------------------------------------------------------------------ the contenders
 
 
-def hand_loop(model: nn.Module, batches: Iterable, epochs: int, make_opt) -> float:
-    """The seed's loop; returns the last loss."""
+def optimizer_calls(
+    optimizer: torch.optim.Optimizer, direct: bool
+) -> tuple[Callable[[], object], Callable[[], None]]:
+    """(step, zero_grad): the optimizer's own, or stoker's direct calls
+    (``stoker.train.optim_calls``, what ``stoker.fit``'s loop makes)."""
+    if direct:
+        calls = OptimizerCalls(optimizer, Precision("fp32", torch.device("cpu")))
+        return calls.step, calls.zero_grad
+    return optimizer.step, optimizer.zero_grad
+
+
+def hand_loop(
+    model: nn.Module, batches: Iterable, epochs: int, make_opt, *, direct: bool = False
+) -> float:
+    """The seed's loop; returns the last loss. ``direct``: stoker's optimizer calls."""
     optimizer = make_opt(model.parameters())
+    step, zero_grad = optimizer_calls(optimizer, direct)
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.zeros(())
     for _ in range(epochs):
         for xb, yb in batches:
             logits = model(xb)
             loss = loss_fn(logits, yb)
-            optimizer.zero_grad()
+            zero_grad()
             loss.backward()
-            optimizer.step()
+            step()
     return float(loss.detach())
 
 
-def floor_loop(model: nn.Module, epoch_batches: list[list[tuple]], make_opt) -> float:
+def floor_loop(
+    model: nn.Module, epoch_batches: list[list[tuple]], make_opt, *, direct: bool = False
+) -> float:
     """Pre-batched tensors, no loader, no bookkeeping (same update as hand_loop)."""
     optimizer = make_opt(model.parameters())
+    step, zero_grad = optimizer_calls(optimizer, direct)
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.zeros(())
     for batches in epoch_batches:
         for xb, yb in batches:
             loss = loss_fn(model(xb), yb)
-            optimizer.zero_grad()
+            zero_grad()
             loss.backward()
-            optimizer.step()
+            step()
     return float(loss.detach())
 
 
@@ -209,6 +232,11 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             init, steps_per_epoch, lambda m: hand_loop(m, stoker_loader(), epochs, adam(True))
         ),
         "stoker": Timed(init, steps_per_epoch, lambda m: stoker_fit(m, arrays, epochs, root)),
+        "hand_direct": Timed(
+            init,
+            steps_per_epoch,
+            lambda m: hand_loop(m, stoker_loader(), epochs, adam(True), direct=True),
+        ),
     }
     if use_lightning:
         contenders["lightning"] = Timed(
@@ -268,6 +296,15 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             (median(column(records["stoker"], "step_s")) - median(hand_steps)) * 1e6,
             unit="us",
             note="fixed per-step cost: a smaller share of a longer step",
+        ),
+        info(
+            bench,
+            "overhead: stoker / hand loop with stoker's optimizer calls",
+            paired_ratio(
+                column(records["stoker"], "step_s"), column(records["hand_direct"], "step_s")
+            ),
+            unit="x",
+            note="the bookkeeping alone: both call fused Adam's kernel straight",
         ),
         Check(
             bench,
@@ -343,9 +380,9 @@ def end_to_end(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[di
             out.append([(tensors[0][i], tensors[1][i]) for i in order])
         return out
 
-    def floor(model: nn.Module) -> float:
+    def floor(model: nn.Module, *, direct: bool = False) -> float:
         batches = floor_batches()  # built before the first forward: outside train time
-        return floor_loop(model, batches, adam(True))
+        return floor_loop(model, batches, adam(True), direct=direct)
 
     contenders: dict[str, Timed] = {
         "seed": Timed(
@@ -355,6 +392,7 @@ def end_to_end(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[di
             init, steps_per_epoch, lambda m: stoker_fit(m, (features, labels), epochs, root)
         ),
         "floor": Timed(init, steps_per_epoch, floor),
+        "floor_direct": Timed(init, steps_per_epoch, lambda m: floor(m, direct=True)),
     }
     if use_lightning:
         contenders["lightning"] = Timed(
@@ -416,6 +454,13 @@ def end_to_end(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[di
             paired_ratio(mine_step, column(records["floor"], "step_s")),
             "<=",
             FLOOR_MAX,
+        ),
+        info(
+            bench,
+            "e2e: stoker / floor with stoker's optimizer calls",
+            paired_ratio(mine_step, column(records["floor_direct"], "step_s")),
+            unit="x",
+            note="the floor's update made as stoker makes it: loader and bookkeeping alone",
         ),
         info(
             bench,
