@@ -238,3 +238,48 @@ def test_an_empty_fetch_ends_the_step_before_where_it_began(clock) -> None:
     assert timer.steps == 2
     assert stats["data_wait"].total_s == pytest.approx(0.006)
     assert stats["optimizer"].total_s == pytest.approx(0.008)
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event``: a device time, and whether it was waited on."""
+
+    def __init__(self, device_s: float) -> None:
+        self.device_s = device_s
+        self.waited = False
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.device_s - self.device_s) * 1000.0  # milliseconds, as CUDA's
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_cuda_readings_time_device_phases_between_events(monkeypatch) -> None:
+    """The CUDA path without a GPU: host clocks give the data wait, events the rest."""
+    host, device = (
+        iter([0.0, 0.010, 0.011, 0.012, 0.013, 0.050, 0.051]),
+        iter([0.0, 0.020, 0.025, 0.035, 0.055, 0.070, 0.071]),
+    )
+    events: list[_FakeEvent] = []
+
+    def reading() -> tuple[float, _FakeEvent]:
+        events.append(_FakeEvent(next(device)))
+        return next(host), events[-1]
+
+    monkeypatch.setattr(timing, "_host_and_event", reading)
+    timer = PhaseTimer(torch.device("cuda"))
+    assert timer.times_transfer
+    timer.record(tuple(timer.now() for _ in range(5)))  # start, arrival, transfer, fwd, bwd
+    timer.communication(0.004)  # during the next fetch
+    fetching = timer.now()  # the step before ends on the device at 0.070
+    timer.now()
+    timer.close_step(fetching)  # that fetch found no batch
+    stats = timer.summary()
+    assert timer.steps == 1
+    assert stats["data_wait"].total_s == pytest.approx(0.010)  # host: 0.010 - 0.0
+    assert stats["transfer"].total_s == pytest.approx(0.005)  # device: 0.020 -> 0.025
+    assert stats["forward"].total_s == pytest.approx(0.010)
+    assert stats["backward"].total_s == pytest.approx(0.020)
+    assert stats["optimizer"].total_s == pytest.approx(0.015)  # 0.055 -> the fetch at 0.070
+    assert COMMUNICATION not in stats  # the empty fetch's talk is no step's
+    assert events[5].waited and not any(event.waited for event in events[:5])
