@@ -222,3 +222,20 @@ def test_the_direct_step_is_bitwise_optimizer_step_on_cuda() -> None:
     on_cuda(direct_model, calls.step, calls.zero_grad)
     _assert_same(plain, direct, plain_model, direct_model)
     assert calls.direct_steps == 5
+
+
+def test_a_kernel_that_refuses_its_arguments_hands_over_to_optimizer_step() -> None:
+    """Another PyTorch's signature: the direct path gives up, and no step is lost."""
+    plain_model, direct_model = _model(), _model()
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01, fused=True)
+    direct = torch.optim.Adam(direct_model.parameters(), lr=0.01, fused=True)
+    calls = OptimizerCalls(direct, FP32)
+
+    def refuses(*args, **kwargs):
+        raise TypeError("_fused_adam_() got an unexpected keyword argument 'grad_scale'")
+
+    calls._kernel = refuses
+    _train(plain_model, plain.step, plain.zero_grad)
+    _train(direct_model, calls.step, calls.zero_grad)
+    _assert_same(plain, direct, plain_model, direct_model)
+    assert calls.direct_steps == 0 and calls.step == direct.step
