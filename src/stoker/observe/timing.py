@@ -67,7 +67,7 @@ class PhaseTimer:
         fetching = timer.now()      # the step starts (and the one before ends)
         batch = next(batches)
         fetched = timer.now()       # the batch has arrived
-        transferred = timer.now()   # after the copy (on the CPU: `fetched` again)
+        transferred = timer.now()   # after the copy (on the CPU: the reading before)
         forwarded = timer.now()     # after forward and loss
         backwarded = timer.now()    # after backward
         timer.record((fetching, fetched, transferred, forwarded, backwarded))

@@ -12,33 +12,39 @@ alone inside a 262 µs training step (``benchmarks/trainer.py``), about 45 µs i
 
 :class:`OptimizerCalls` makes the same kernel calls on the same tensors with the same
 arguments — ``torch._foreach_add_`` on the step counts, then ``torch._fused_adam_`` (or
-``_fused_adamw_``) — from lists built once, so the parameters and the optimizer state
-come out bitwise those of ``optimizer.step()`` (a test checks it step by step). It
-calls ``optimizer.step()`` itself whenever it cannot vouch for that: an optimizer
-other than fused Adam/AdamW, a hyperparameter it does not pass through (a tensor lr,
-``capturable``, ``differentiable``), step hooks, the profiler running (so traces keep
-PyTorch's labels), a step wrapped by anything but an LR scheduler's counter, a
-parameter without a gradient this step, loss scaling (fp16, where GradScaler drives the
-step), and the very first step (which creates the state). The lists are rebuilt when
-``load_state_dict`` or ``add_param_group`` changes what they point at. A PyTorch whose
-kernel takes other arguments (a ``TypeError`` before it runs) gets ``optimizer.step()``
-from then on.
+``_fused_adamw_``) — from lists it builds in a few comprehensions, so the parameters
+and the optimizer state come out bitwise those of ``optimizer.step()`` (tests check it
+step by step); a parameter without a gradient is left alone, as Adam leaves it. It
+calls ``optimizer.step()`` itself whenever it cannot vouch for that: an optimizer other
+than fused Adam/AdamW, a setting it does not pass through (a tensor lr, ``capturable``,
+``differentiable``), step hooks, the profiler recording (so traces keep PyTorch's
+labels), a step wrapped by anything but an LR scheduler's counter of the class's own,
+loss scaling (fp16, where GradScaler drives the step), and a parameter with no state
+yet (the first step creates it). It caches nothing: each step reads the groups, their
+settings and the state afresh, as ``optimizer.step()`` does, so clearing the state,
+replacing a group or editing its parameter list in place is followed at once. A
+PyTorch whose kernel refuses these arguments (a ``TypeError`` before it runs) gets
+``optimizer.step()`` from then on.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from stoker.train.precision import Precision
 
 _ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 _PROFILING = torch.autograd._profiler_enabled  # C function: is a profiler recording?
-_NEVER = object()
+#: ``_STEP(optimizer)`` is ``optimizer.step()``, looked up at each call (a wrapper that
+#: an LR scheduler installs later is called too), with no Python frame of its own.
+_STEP = operator.methodcaller("step")
 
 
 class OptimizerCalls:
@@ -53,62 +59,36 @@ class OptimizerCalls:
 
     def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         self.optimizer = optimizer
-        self._kernel = _fused_kernel(optimizer)
         self._direct_zero = type(
             optimizer
         ).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
-        # The step as the optimizer holds it: its class's, or an LR scheduler's wrapper,
-        # which only notes that a step was made (the first step, always a real one, does
-        # that). Any other wrapper must run, so the direct path is never taken.
-        self._own_step = _counting_wrapper(vars(optimizer).get("step"))
-        self._groups: list[_Group] | None = None  # built after the first real step
-        # What the lists were built from: load_state_dict replaces the groups' list and
-        # the state; add_param_group lengthens the list.
-        self._built_from: tuple[list[Any], Any, int] = ([], None, -1)
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._params_from = _shape_of(optimizer)
         self.direct_steps = 0  # how many steps took the direct path (for tests, docs)
         #: One update of the parameters.
         self.step: Callable[[], object]
         if precision.scaling:
             self.step = partial(precision.step, optimizer)
-        elif self._kernel is None:
-            self.step = optimizer.step
-        else:
+        elif type(optimizer) in _ADAM_CLASSES:
             self.step = self._direct_step
+        else:
+            self.step = partial(_STEP, optimizer)
 
     def _direct_step(self) -> None:
         """The fused kernel straight, or ``optimizer.step()`` when that is not provably
         the same."""
         optimizer = self.optimizer
-        if _changed(optimizer, self._built_from):
-            optimizer.step()  # the first step makes the state the lists point into
-            self._groups = _direct_groups(optimizer)  # None: this optimizer never goes direct
-            self._built_from = _shape_of(optimizer)
-            return
-        groups = self._groups
-        wrapper = vars(optimizer).get("step")
-        if wrapper is not self._own_step:
-            self._own_step = _counting_wrapper(wrapper)  # a scheduler built since: fine
+        calls = None
+        if not _PROFILING() and not _has_step_hooks(optimizer) and _own_step(optimizer):
+            calls = _kernel_calls(optimizer)
+        if calls is None:
             optimizer.step()
             return
-        if groups is None or _PROFILING() or _has_step_hooks(optimizer):
-            optimizer.step()
-            return
-        gradients = [[p.grad for p in group.params] for group in groups]
-        if any(g is None for grads in gradients for g in grads):
-            optimizer.step()  # a parameter without a gradient is left alone: Adam's rule
-            return
-        kernel = self._kernel
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # the kernel writes into leaves that require grad
         try:
-            for group, grads in zip(groups, gradients, strict=True):
-                group.run(kernel, grads)
-        except TypeError:
-            # Another PyTorch's signature: refused before any group was updated (the
-            # first group's call fails the same way), its step counts taken back.
-            self.step = self.optimizer.step
+            for index, (kernel, arguments, options) in enumerate(calls):
+                _run(kernel, arguments, options, first=index == 0)
+        except _Refused:
+            self.step = partial(_STEP, optimizer)  # another PyTorch's signature: for good
             optimizer.step()
             return
         finally:
@@ -118,81 +98,87 @@ class OptimizerCalls:
     def zero_grad(self) -> None:
         """Every gradient to None (``optimizer.zero_grad(set_to_none=True)``)."""
         optimizer = self.optimizer
-        if not self._direct_zero or _PROFILING() or _changed(optimizer, self._params_from):
-            self._params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._params_from = _shape_of(optimizer)
+        if not self._direct_zero or _PROFILING():
             optimizer.zero_grad(set_to_none=True)
             return
-        for parameter in self._params:
-            parameter.grad = None
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                parameter.grad = None
 
 
-class _Group:
-    """One param group's tensors and settings, as ``_fused_adam`` passes them."""
-
-    def __init__(self, group: dict[str, Any], state: dict[Any, Any]) -> None:
-        self.settings = group
-        self.params: list[torch.Tensor] = list(group["params"])
-        states = [state[p] for p in self.params]
-        self.exp_avgs = [s["exp_avg"] for s in states]
-        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        self.max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else []
-        self.steps = [s["step"] for s in states]
-
-    def run(self, kernel: Callable[..., None], grads: list[torch.Tensor]) -> None:
-        """``_fused_adam``'s two calls for one device and dtype: count the step, update."""
-        group = self.settings
-        beta1, beta2 = group["betas"]
-        torch._foreach_add_(self.steps, 1)
-        try:
-            kernel(
-                self.params,
-                grads,
-                self.exp_avgs,
-                self.exp_avg_sqs,
-                self.max_exp_avg_sqs,
-                self.steps,
-                amsgrad=group["amsgrad"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=None,
-                found_inf=None,
-            )
-        except TypeError:  # refused its arguments: it updated nothing
-            torch._foreach_sub_(self.steps, 1)
-            raise
+class _Refused(Exception):
+    """The first kernel call refused its arguments; nothing was updated."""
 
 
-def _fused_kernel(optimizer: torch.optim.Optimizer) -> Callable[..., None] | None:
-    """The kernel ``optimizer.step()`` would end in, if it is one this module can call."""
-    if type(optimizer) not in _ADAM_CLASSES or not optimizer.param_groups:
-        return None
-    decoupled = {bool(g.get("decoupled_weight_decay")) for g in optimizer.param_groups}
-    if type(optimizer) is torch.optim.AdamW:
-        decoupled = {True}  # AdamW is Adam with decoupled weight decay, whatever the key
-    if len(decoupled) != 1:
-        return None
-    name = "_fused_adamw_" if decoupled.pop() else "_fused_adam_"
-    return getattr(torch, name, None)
+#: One kernel call: (kernel, its positional tensor lists, its keyword options).
+_Call = tuple[Callable[..., None], tuple[list[torch.Tensor], ...], dict[str, Any]]
 
 
-def _direct_groups(optimizer: torch.optim.Optimizer) -> list[_Group] | None:
-    """The groups' tensor lists, or None when a group cannot take the direct call."""
-    groups = []
+def _kernel_calls(optimizer: torch.optim.Optimizer) -> list[_Call] | None:
+    """What ``optimizer.step()`` would call for each group, read afresh from the groups
+    and the state (as ``Adam._init_group`` does); None when a group takes another path."""
+    state, calls = optimizer.state, []
+    adamw = type(optimizer) is torch.optim.AdamW
     for group in optimizer.param_groups:
         if not _plain_fused(group):
             return None
-        params = group["params"]
-        if not params or any(p not in optimizer.state or not optimizer.state[p] for p in params):
-            return None  # a parameter that has not been stepped yet has no state
-        if len({(p.device, p.dtype) for p in params}) != 1 or any(_sharded(p) for p in params):
-            return None  # _fused_adam regroups such lists; a DTensor dispatches its own way
-        groups.append(_Group(group, optimizer.state))
-    return groups
+        params = [p for p in group["params"] if p.grad is not None]  # Adam skips the rest
+        if not params:
+            continue
+        states = [state.get(p) for p in params]
+        if not all(states):
+            return None  # a parameter's first step: optimizer.step() creates its state
+        if len({(type(p), p.device, p.dtype) for p in params}) != 1 or type(params[0]) not in (
+            nn.Parameter,
+            torch.Tensor,
+        ):
+            return None  # _fused_adam would regroup the lists; a DTensor dispatches its own way
+        decoupled = adamw or group.get("decoupled_weight_decay", False)
+        beta1, beta2 = group["betas"]
+        calls.append(
+            (
+                torch._fused_adamw_ if decoupled else torch._fused_adam_,
+                (
+                    params,
+                    [p.grad for p in params],
+                    [s["exp_avg"] for s in states],  # type: ignore[index]
+                    [s["exp_avg_sq"] for s in states],  # type: ignore[index]
+                    [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],  # type: ignore[index]
+                    [s["step"] for s in states],  # type: ignore[index]
+                ),
+                {
+                    "amsgrad": group["amsgrad"],
+                    "lr": group["lr"],
+                    "beta1": beta1,
+                    "beta2": beta2,
+                    "weight_decay": group["weight_decay"],
+                    "eps": group["eps"],
+                    "maximize": group["maximize"],
+                    "grad_scale": None,
+                    "found_inf": None,
+                },
+            )
+        )
+    return calls
+
+
+def _run(
+    kernel: Callable[..., None],
+    arguments: tuple[list[torch.Tensor], ...],
+    options: dict[str, Any],
+    *,
+    first: bool,
+) -> None:
+    """``_fused_adam``'s two calls for one group: count the step, then update."""
+    steps = arguments[-1]
+    torch._foreach_add_(steps, 1)
+    try:
+        kernel(*arguments, **options)
+    except TypeError:  # refused its arguments: it updated nothing
+        torch._foreach_sub_(steps, 1)
+        if first:  # no group was updated: optimizer.step() can take the whole step
+            raise _Refused from None
+        raise
 
 
 def _plain_fused(group: dict[str, Any]) -> bool:
@@ -209,12 +195,16 @@ def _plain_fused(group: dict[str, Any]) -> bool:
     )
 
 
-def _counting_wrapper(step: object) -> object:
-    """``step`` when it is None or an LR scheduler's counting wrapper, else a marker that
-    matches nothing (so that wrapper always runs)."""
-    if step is None or getattr(step, "_wrapped_by_lr_sched", False):
-        return step
-    return _NEVER
+def _own_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is its class's, or an LR scheduler's counting wrapper
+    of exactly that (which only notes that a step was made: the first step, always a
+    real one, does that). Any other wrapper must run."""
+    step = vars(optimizer).get("step")
+    if step is None:
+        return True
+    return bool(getattr(step, "_wrapped_by_lr_sched", False)) and (
+        getattr(step, "__wrapped__", None) is type(optimizer).step
+    )
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -224,19 +214,3 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
         or torch_optimizer._global_optimizer_pre_hooks
         or torch_optimizer._global_optimizer_post_hooks
     )
-
-
-def _shape_of(optimizer: torch.optim.Optimizer) -> tuple[list[Any], Any, int]:
-    """What the cached lists depend on, compared by identity (and the groups' count)."""
-    return optimizer.param_groups, optimizer.state, len(optimizer.param_groups)
-
-
-def _changed(optimizer: torch.optim.Optimizer, shape: tuple[list[Any], Any, int]) -> bool:
-    groups, state, count = shape
-    return (
-        optimizer.param_groups is not groups or optimizer.state is not state or len(groups) != count
-    )
-
-
-def _sharded(parameter: torch.Tensor) -> bool:
-    return callable(getattr(parameter, "to_local", None))

@@ -255,31 +255,37 @@ class _FakeEvent:
 
 
 def test_cuda_readings_time_device_phases_between_events(monkeypatch) -> None:
-    """The CUDA path without a GPU: host clocks give the data wait, events the rest."""
-    host, device = (
-        iter([0.0, 0.010, 0.011, 0.012, 0.013, 0.050, 0.051]),
-        iter([0.0, 0.020, 0.025, 0.035, 0.055, 0.070, 0.071]),
-    )
+    """The CUDA path without a GPU: host clocks give the data wait and communication,
+    events the device phases."""
+    host = iter([0.0, 0.006, 0.010, 0.011, 0.012, 0.013, 0.050, 0.051, 0.052])
+    device = iter([0.0, 0.020, 0.025, 0.035, 0.055, 0.070, 0.071])
     events: list[_FakeEvent] = []
+
+    def host_clock() -> float:
+        return next(host)
 
     def reading() -> tuple[float, _FakeEvent]:
         events.append(_FakeEvent(next(device)))
-        return next(host), events[-1]
+        return host_clock(), events[-1]
 
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=host_clock))
     monkeypatch.setattr(timing, "_host_and_event", reading)
     timer = PhaseTimer(torch.device("cuda"))
     assert timer.times_transfer
-    timer.record(tuple(timer.now() for _ in range(5)))  # start, arrival, transfer, fwd, bwd
-    timer.communication(0.004)  # during the next fetch
-    fetching = timer.now()  # the step before ends on the device at 0.070
+    fetching = timer.now()  # host 0.0
+    timer.communication(0.004)  # host 0.006: during this step's fetch
+    # arrival, transfer, forward, backward: host 0.010 on; device 0.020, 0.025, 0.035, 0.055
+    timer.record((fetching, *(timer.now() for _ in range(4))))
+    fetching = timer.now()  # host 0.050, device 0.070: the step before ends here
+    timer.communication(0.001)  # host 0.051: the ranks agree the epoch is over
     timer.now()
     timer.close_step(fetching)  # that fetch found no batch
     stats = timer.summary()
     assert timer.steps == 1
-    assert stats["data_wait"].total_s == pytest.approx(0.010)  # host: 0.010 - 0.0
+    assert stats[COMMUNICATION].total_s == pytest.approx(0.004)  # the empty fetch's: dropped
+    assert stats["data_wait"].total_s == pytest.approx(0.010 - 0.004)
     assert stats["transfer"].total_s == pytest.approx(0.005)  # device: 0.020 -> 0.025
     assert stats["forward"].total_s == pytest.approx(0.010)
     assert stats["backward"].total_s == pytest.approx(0.020)
     assert stats["optimizer"].total_s == pytest.approx(0.015)  # 0.055 -> the fetch at 0.070
-    assert COMMUNICATION not in stats  # the empty fetch's talk is no step's
     assert events[5].waited and not any(event.waited for event in events[:5])
