@@ -62,10 +62,10 @@ from stoker.observe.sinks import NullSink
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PHASES, PhaseTimer
 from stoker.train.grad_health import GradHealth
-from stoker.train.grads import GradClipper
-from stoker.train.loop import Loop, Monitor, StepWindow, train_step
-from stoker.train.metrics import TaskMetrics
-from stoker.train.numerics import FiniteCheck
+from stoker.train.grads import FiniteCheck, GradClipper
+from stoker.train.loop import Loop, train_step
+from stoker.train.metrics import StepWindow, TaskMetrics
+from stoker.train.monitor import Monitor
 from stoker.train.optim import ConstantLR
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState

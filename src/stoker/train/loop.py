@@ -16,16 +16,16 @@ from torch import nn
 from stoker.data.device import move_to_device
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.samplers import rank_and_world_size
-from stoker.errors import TrainingError, TrainingInterrupted
+from stoker.errors import TrainingInterrupted
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
 from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
 from stoker.train.evaluate import evaluate
 from stoker.train.grad_health import GradHealth
-from stoker.train.grads import GradClipper, whole_tensor
-from stoker.train.metrics import Task, TaskMetrics
+from stoker.train.grads import FiniteCheck, GradClipper, whole_tensor
+from stoker.train.metrics import StepWindow, Task, TaskMetrics
+from stoker.train.monitor import Monitor, update_monitor
 from stoker.train.numerics import (
-    FiniteCheck,
     NumericsGuard,
     Restored,
     RollbackNeeded,
@@ -63,25 +63,6 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
-
-
-@dataclass
-class Monitor:
-    """The metric that picks the best epoch and drives early stopping."""
-
-    metric: str
-    mode: Literal["min", "max"]
-    patience: int | None = None
-    min_delta: float = 0.0
-
-    def improved(self, value: float, best: float | None) -> bool:
-        if math.isnan(value):
-            return False
-        if best is None:
-            return True
-        if self.mode == "min":
-            return value < best - self.min_delta
-        return value > best + self.min_delta
 
 
 @dataclass
@@ -169,42 +150,6 @@ class Loop:
         if self._finite is None:
             self._finite = FiniteCheck(self.parameters(), agree=self.agree_finite)
         return self._finite
-
-
-@dataclass
-class StepWindow:
-    """Sums since the last step-level record, kept on the device (no per-step sync).
-
-    The loss of every step that was not skipped is kept, and summed when the window is
-    recorded (one stack and sum, not an add per step). The gradient norm is measured
-    on the window's first step that updates the parameters (and on every step when
-    clipping by norm needs it anyway): measuring it is a pass over every gradient, too
-    dear to pay on each step for a figure recorded every ``log_every_steps``.
-    """
-
-    grad_norm: torch.Tensor
-    #: The step losses (0-d float32 tensors) of the steps that were not skipped.
-    step_losses: list[torch.Tensor] = field(default_factory=list)
-    steps: int = 0
-    norms: int = 0  # steps whose norm is in `grad_norm`
-    samples: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def empty(cls, device: torch.device) -> StepWindow:
-        return cls(torch.zeros((), device=device))
-
-    @property
-    def losses(self) -> int:
-        """Steps whose loss is in the window (skipped steps are not)."""
-        return len(self.step_losses)
-
-    @property
-    def loss(self) -> torch.Tensor:
-        """The sum of the window's step losses, on the device."""
-        if not self.step_losses:
-            return torch.zeros((), device=self.grad_norm.device)
-        return torch.stack(self.step_losses).sum()
 
 
 _END = object()  # what next() returns once the epoch has no batch left
@@ -553,32 +498,10 @@ def run(loop: Loop) -> list[dict[str, Any]]:
                 )
             )
         record["step"] = state.step
-        _update_monitor(loop, record)
+        update_monitor(loop, record)
         loop.sink.log(record)
         loop.progress.end_epoch(state.epoch + 1, record)
         loop.history.append(record)
         state.epoch += 1
         loop.on_epoch_end(loop, record)
     return loop.history
-
-
-def _update_monitor(loop: Loop, record: dict[str, Any]) -> None:
-    state, monitor = loop.state, loop.monitor
-    if monitor.metric not in record:
-        raise TrainingError(
-            f"train.monitor: metric {monitor.metric!r} was not produced; "
-            f"this run records {', '.join(sorted(k for k in record if '/' in k))}",
-            hint="set train.monitor to one of those",
-        )
-    value = float(record[monitor.metric])
-    if monitor.improved(value, state.best_value):
-        state.best_value, state.best_epoch = value, state.epoch
-        state.epochs_without_improvement = 0
-    else:
-        state.epochs_without_improvement += 1
-    if monitor.patience is not None and state.epochs_without_improvement >= monitor.patience:
-        loop.stopped_early = True
-        loop.progress.message(
-            f"early stopping: {monitor.metric} has not improved for {monitor.patience} "
-            f"epochs (best {state.best_value:.4f} at epoch {state.best_epoch})"
-        )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -245,3 +247,39 @@ def _hits(
         # One binary logit per sample against 0/1 targets (BCEWithLogits).
         return outputs.gt(0).eq(targets.gt(0.5))
     return None
+
+
+@dataclass
+class StepWindow:
+    """Sums since the last step-level record, kept on the device (no per-step sync).
+
+    The loss of every step that was not skipped is kept, and summed when the window is
+    recorded (one stack and sum, not an add per step). The gradient norm is measured
+    on the window's first step that updates the parameters (and on every step when
+    clipping by norm needs it anyway): measuring it is a pass over every gradient, too
+    dear to pay on each step for a figure recorded every ``log_every_steps``.
+    """
+
+    grad_norm: torch.Tensor
+    #: The step losses (0-d float32 tensors) of the steps that were not skipped.
+    step_losses: list[torch.Tensor] = field(default_factory=list)
+    steps: int = 0
+    norms: int = 0  # steps whose norm is in `grad_norm`
+    samples: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, device: torch.device) -> StepWindow:
+        return cls(torch.zeros((), device=device))
+
+    @property
+    def losses(self) -> int:
+        """Steps whose loss is in the window (skipped steps are not)."""
+        return len(self.step_losses)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The sum of the window's step losses, on the device."""
+        if not self.step_losses:
+            return torch.zeros((), device=self.grad_norm.device)
+        return torch.stack(self.step_losses).sum()

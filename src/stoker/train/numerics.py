@@ -25,8 +25,7 @@ and a scale that falls below ``min_loss_scale`` is an error, not silent skipping
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,7 +35,7 @@ from torch import nn
 
 from stoker.checkpoint import find_latest_valid, load_checkpoint
 from stoker.errors import ConfigError, TrainingError
-from stoker.train.grads import first_nonfinite_grad, local_tensor
+from stoker.train.grads import first_nonfinite_grad
 from stoker.train.metrics import TaskMetrics
 
 if TYPE_CHECKING:
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BURST_STEPS",
-    "FiniteCheck",
     "NonfinitePolicy",
     "NumericsGuard",
     "Restored",
@@ -103,105 +101,6 @@ def checkpoint_rollback(
         return Restored(checkpoint=found, history=history, in_epoch=in_epoch)
 
     return rollback
-
-
-class FiniteCheck:
-    """Finds inf/NaN in a loss and in every gradient of ``parameters`` without a sync.
-
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` (what ``GradScaler.unscale_`` runs)
-    checks a whole list of tensors in one fused kernel and multiplies them by an inverse
-    scale; with a scale of exactly 1 the gradients keep every bit. It costs about a
-    microsecond on the CPU for a small model, where ``get_total_norm`` costs twenty. The
-    flags stay on the device, and are only set, never cleared, by the check: a step that
-    finds them raised calls :meth:`reset` (no zeroing kernel on every step).
-
-    On the CPU with one group of parameters (the usual case) the flag is read through a
-    numpy view of its memory, and the loss with one ``item``: no stacking, no dispatch
-    but the kernel's and that read.
-    """
-
-    def __init__(
-        self,
-        parameters: Sequence[nn.Parameter],
-        *,
-        agree: Callable[[bool, bool], tuple[bool, bool]] | None = None,
-    ) -> None:
-        """``agree`` combines the verdicts of all ranks (distributed), so every rank
-        handles a fault the same way: a NaN loss on one rank, or a bad gradient shard
-        under FSDP, is a fault on all of them."""
-        self._agree = agree
-        groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for parameter in parameters:
-            if parameter.requires_grad:
-                groups.setdefault((parameter.device, parameter.dtype), []).append(parameter)
-        flags = {device: torch.zeros((), device=device) for device, _ in groups}
-        ones = {device: torch.ones((), device=device) for device in flags}
-        # Whether a group holds sharded (DTensor) parameters, whose gradients are checked
-        # as this rank's shard; a plain group skips looking for ``to_local`` on each one.
-        self._groups = [
-            (group, flags[d], ones[d], any(_sharded(p) for p in group))
-            for (d, _), group in groups.items()
-        ]
-        self._flags = list(flags.values())
-        self._host = all(flag.device.type == "cpu" for flag in self._flags)
-        # The one plain group on the CPU, if that is all there is: the fast path.
-        single = self._host and len(self._groups) == 1 and not self._groups[0][3]
-        self._single = self._groups[0] if single else None
-        if self._single is not None:
-            self._view = self._single[1].numpy()  # shares the flag's memory
-        fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
-        self._fused: Callable[..., None] = fused if fused is not None else _check_each
-
-    def __call__(self, loss: torch.Tensor) -> tuple[bool, bool]:
-        """``(loss finite, every gradient finite)``: the step's one CPU–GPU sync point."""
-        if self._single is not None:
-            group, flag, one, _ = self._single
-            self._run([p.grad for p in group if p.grad is not None], flag, one)
-            verdict = math.isfinite(loss.item()), not self._view.item()
-        else:
-            for group, flag, one, sharded in self._groups:
-                grads = [p.grad for p in group if p.grad is not None]
-                self._run([local_tensor(g) for g in grads] if sharded else grads, flag, one)
-            if self._host:
-                # On the CPU two scalar reads cost less than stacking them.
-                raised = any(flag.item() for flag in self._flags)
-                verdict = math.isfinite(loss.item()), not raised
-            else:
-                # On an accelerator the values travel together, in one transfer.
-                together = [loss.detach().float().reshape(())]
-                together += [flag.to(loss.device) for flag in self._flags]
-                first, *rest = torch.stack(together).tolist()
-                verdict = math.isfinite(first), not any(rest)
-        return self._agree(*verdict) if self._agree is not None else verdict
-
-    def _run(self, grads: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> None:
-        """Raise ``flag`` if any of ``grads`` is not finite (and leave their bits alone)."""
-        if not grads:
-            return
-        try:
-            self._fused(grads, flag, one)
-        except (NotImplementedError, RuntimeError):
-            # Sparse gradients (nn.Embedding(sparse=True)): one check per tensor from now.
-            self._fused = _check_each
-            _check_each(grads, flag, one)
-
-    def reset(self) -> None:
-        """Lower the flags after a step that raised them."""
-        for flag in self._flags:
-            flag.zero_()
-
-
-def _sharded(parameter: nn.Parameter) -> bool:
-    """Whether ``parameter`` is a DTensor (FSDP2): its gradient is one too."""
-    return callable(getattr(parameter, "to_local", None))
-
-
-def _check_each(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
-    """The check one tensor at a time (sparse gradients, or a PyTorch without the fused
-    kernel): still no sync."""
-    for grad in grads:
-        values = grad.coalesce().values() if grad.is_sparse else grad
-        found.add_((~torch.isfinite(values)).any().to(found.dtype))
 
 
 def describe_fault(

@@ -42,8 +42,9 @@ from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
-from stoker.train.loop import Loop, Monitor, run
+from stoker.train.loop import Loop, run
 from stoker.train.metrics import Task
+from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.pipeline import UserComponents, build_pipeline

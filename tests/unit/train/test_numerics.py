@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from stoker.errors import ConfigError, TrainingError
-from stoker.train.numerics import Fault, FiniteCheck, NumericsGuard, describe_fault
+from stoker.train.grads import FiniteCheck
+from stoker.train.numerics import Fault, NumericsGuard, describe_fault
 
 
 def _with_grads(*grads: torch.Tensor) -> list[nn.Parameter]:

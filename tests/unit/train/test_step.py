@@ -12,8 +12,9 @@ from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper, first_nonfinite_grad
-from stoker.train.loop import Loop, Monitor, StepWindow, train_step
-from stoker.train.metrics import TaskMetrics
+from stoker.train.loop import Loop, train_step
+from stoker.train.metrics import StepWindow, TaskMetrics
+from stoker.train.monitor import Monitor
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
 
