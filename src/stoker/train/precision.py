@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Any
 
 import torch
@@ -41,13 +40,12 @@ class Precision:
     def _bind_unscaled(self) -> None:
         """fp32 and bf16: bind what the disabled scaler's methods come down to, once.
 
-        ``GradScaler(enabled=False)`` returns the loss from ``scale``, returns at once from
-        ``unscale_`` and ``update``, and calls ``optimizer.step()`` from ``step``: the same
-        calls, without its checks on every micro-batch and step.
+        ``GradScaler(enabled=False)`` returns the loss from ``scale`` and returns at once
+        from ``unscale_``: the same, without its checks on every micro-batch. (``step``
+        keeps the scaler's: unscaled, the loop steps through ``OptimizerCalls`` instead.)
         """
         self.backward = torch.Tensor.backward  # type: ignore[method-assign]
         self.unscale_ = _nothing  # type: ignore[method-assign]
-        self.step = _STEP  # type: ignore[method-assign]
 
     @property
     def scaling(self) -> bool:
@@ -105,7 +103,3 @@ class Precision:
 
 def _nothing(optimizer: torch.optim.Optimizer) -> None:
     """``unscale_`` without scaling: the gradients are already true."""
-
-
-#: ``_STEP(optimizer)`` calls ``optimizer.step()`` with no Python frame of its own.
-_STEP = operator.methodcaller("step")
