@@ -112,6 +112,24 @@ def test_the_cache_keeps_only_the_last_row_groups(
         ParquetDataset(two_files, cache_row_groups=-1)
 
 
+def test_each_decoded_row_group_hands_arrows_memory_back(
+    two_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arrow's allocator would keep a decoded group's freed buffers resident."""
+    pool, released = pa.default_memory_pool(), []
+
+    class PoolSpy:
+        def release_unused(self) -> None:
+            released.append(True)
+            pool.release_unused()
+
+    monkeypatch.setattr(pa, "default_memory_pool", PoolSpy)
+    ds = ParquetDataset(two_files, target="y", cache_row_groups=0)
+    features, _ = ds.__getitems__([0, 12, 30])  # three row groups, in two files
+    assert len(released) == 3
+    np.testing.assert_array_equal(features.numpy(), expected([0, 12, 30])[0])
+
+
 def test_without_a_target_samples_have_features_only(two_files: Path) -> None:
     ds = ParquetDataset(two_files / "part-1.parquet", features=["b", "a"])
     (features,) = ds.__getitems__([0, 14])
