@@ -271,14 +271,20 @@ class ParquetDataset(Dataset):
     def __len__(self) -> int:
         return self._length
 
-    def _decode(self, g: int, *, columns: list[str]) -> _Group:
-        """Read one row group's ``columns`` and turn them into arrays (no cache)."""
+    def _decode(self, g: int, *, columns: list[str], reuse: np.ndarray | None = None) -> _Group:
+        """Read one row group's ``columns`` and turn them into arrays (no cache).
+
+        ``reuse``: a features array no longer needed (an evicted group's), filled in place
+        when its shape fits, so that decoding group after group does not allocate anew.
+        """
         pa, pc, _ = require_pyarrow("ParquetDataset")
         file = int(self._group_file[g])
         table = self._handle(file).read_row_group(int(self._group_index[g]), columns=columns)
         rows = table.num_rows
         features = [c for c in columns if c != self._target]
-        out = np.empty((rows, len(features)), dtype=np.float32)
+        shape = (rows, len(features))
+        fits = reuse is not None and reuse.shape == shape and reuse.dtype == np.float32
+        out = reuse if fits else np.empty(shape, dtype=np.float32)
         target = None
         reasons: dict[int, str] = {}
         for name in columns:
@@ -303,11 +309,16 @@ class ParquetDataset(Dataset):
         if group is not None:
             self._cache.move_to_end(g)
             return group
-        group = self._decode(g, columns=self._columns)
-        if self._cache_size:
-            self._cache[g] = group
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        if not self._cache_size:
+            return self._decode(g, columns=self._columns)
+        # Evict first and decode into the evicted group's array: never one group more than
+        # the cache holds, and no 16 MiB malloc and free per group, which glibc answers by
+        # raising its mmap threshold and growing a heap it cannot shrink (~35 MiB on the
+        # 1 GB file of benchmarks/memory.py).
+        reuse = None
+        while len(self._cache) >= self._cache_size:
+            reuse = self._cache.popitem(last=False)[1].features
+        group = self._cache[g] = self._decode(g, columns=self._columns, reuse=reuse)
         return group
 
     def _bad_sample(self, g: int, row: int, group: _Group) -> BadSample:
@@ -397,7 +408,9 @@ def _check_types(
 
 def _open(pq: ModuleType, file: Path) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(file)
+        # No pre-buffering: it would keep the last row group's raw column chunks (as large
+        # as the decoded group) alive until the next read, for no speed-up on local files.
+        return pq.ParquetFile(file, pre_buffer=False)
     except (OSError, ValueError) as error:  # pyarrow.ArrowInvalid is a ValueError
         raise DataError(
             f"cannot read {file} as a Parquet file: {error}",

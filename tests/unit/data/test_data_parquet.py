@@ -272,3 +272,33 @@ def test_every_file_needs_the_columns_of_the_first(tmp_path: Path) -> None:
     pq.write_table(pa.table({"a": [1.0], "y": [0]}), tmp_path / "b.parquet")
     with pytest.raises(DataError, match=r"b\.parquet has no column\(s\) \['b', 'c'\]"):
         ParquetDataset(tmp_path, target="y")
+
+
+def test_a_full_cache_decodes_into_the_evicted_groups_array(two_files: Path) -> None:
+    """Group after group, the features array of the group the cache drops is refilled:
+    never a group more than the cache holds, and no allocation per group."""
+    ds = ParquetDataset(two_files, target="y", cache_row_groups=2)
+    ds.__getitems__([0, 10])  # groups 0 and 1 (10 rows each) fill the cache
+    oldest = ds._cache[0].features
+    features, target = ds.__getitems__([25, 26])  # group 3: 10 rows, evicts group 0
+    assert list(ds._cache) == [1, 3]
+    assert ds._cache[3].features is oldest
+    want_x, want_y = expected([25, 26])
+    np.testing.assert_array_equal(features.numpy(), want_x)
+    np.testing.assert_array_equal(target.numpy(), want_y)
+    second = ds._cache[1].features
+    ds.__getitems__([20])  # group 2 has 5 rows: the evicted 10-row array does not fit
+    assert list(ds._cache) == [3, 2] and ds._cache[2].features is not second
+    assert ds._cache[2].features.shape == (5, 3)
+    features, _ = ds.__getitems__([0, 24, 26, 39])  # refilled arrays, right values
+    np.testing.assert_array_equal(features.numpy(), expected([0, 24, 26, 39])[0])
+
+
+def test_no_arrow_memory_outlives_a_decode(tmp_path: Path) -> None:
+    """Pre-buffering would keep the raw column chunks of the last group read alive."""
+    write(tmp_path / "big.parquet", columns(20_000), row_group_size=10_000)
+    ds = ParquetDataset(tmp_path / "big.parquet", target="y", cache_row_groups=0)
+    before = pa.total_allocated_bytes()
+    features, _ = ds.__getitems__([5, 15_000])
+    assert pa.total_allocated_bytes() == before
+    np.testing.assert_array_equal(features.numpy(), expected([5, 15_000])[0])
