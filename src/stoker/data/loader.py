@@ -36,6 +36,7 @@ from stoker.data.loader_collate import (
 )
 from stoker.data.loader_fast import (
     ArrayGather,
+    epoch_batches,
     epoch_rows,
     in_memory_arrays,
     in_process_note,
@@ -257,8 +258,7 @@ class EpochLoader:
         """The batches the single-process DataLoader would yield, fetched with less overhead."""
         batch_sampler = self.dataloader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
-        # As BatchSampler: a short last batch only without drop_last, and never an empty one.
-        chunks = [c for c in epoch_rows(batch_sampler).split(batch_sampler.batch_size) if len(c)]
+        chunks = epoch_batches(batch_sampler)
         dataset = self._fetched
         fetch = dataset.__getitems__  # type: ignore[attr-defined]
         # ArrayDataset takes index tensors; other datasets get the list[int] PyTorch passes.

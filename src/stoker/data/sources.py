@@ -164,13 +164,13 @@ class ArrayDataset(Dataset):
 
         Args:
             indices: Sample indices: a list, as the DataLoader's batch sampler yields
-                them, or an int64 tensor (taken without a copy).
+                them, or an int64 or int32 tensor (taken without a copy).
 
         Returns:
             One tensor per field, each with ``len(indices)`` rows.
         """
-        if isinstance(indices, torch.Tensor) and indices.dtype == torch.long:
-            idx = indices  # the loader's fast path hands over int64 tensors: no conversion
+        if isinstance(indices, torch.Tensor) and indices.dtype in (torch.long, torch.int32):
+            idx = indices  # the loader's fast path hands over index tensors: no conversion
         else:
             idx = torch.as_tensor(indices, dtype=torch.long)
         # index_select beats advanced indexing (t[idx]) on CPU: measured 9.6 vs 53.6 µs

@@ -132,3 +132,58 @@ def test_parquet_gets_the_block_shuffle_by_default(tmp_path) -> None:
     assert isinstance(loader.sampler, BlockShuffleSampler)
     values = torch.cat([features[:, 0] for features, _ in loader])
     assert sorted(values.long().tolist()) == list(range(100))
+
+
+@pytest.mark.parametrize("count", [1, 1000, 70_000, 3_787_878])
+def test_int32_orders_are_the_int64_permutations(count: int) -> None:
+    """Epoch orders are int32 to halve their memory; the permutation must not change,
+    or a run resumed from an older checkpoint would see another order."""
+    from stoker.data.samplers import _generator, index_dtype
+
+    sampler = EpochRandomSampler(count, seed=7)
+    sampler.set_epoch(2)
+    order = sampler.epoch_indices()
+    assert order.dtype == torch.int32 == index_dtype(count)
+    assert torch.equal(order.long(), torch.randperm(count, generator=_generator(7, 2)))
+    in_order = EpochRandomSampler(count, shuffle=False).epoch_indices()
+    assert in_order.dtype == torch.int32 and int(in_order[-1]) == count - 1
+    assert index_dtype(2**31) == torch.long and index_dtype(2**31 - 1) == torch.int32
+
+
+def test_block_shuffle_fills_the_order_as_joining_the_windows_would() -> None:
+    """The order is built in place; it is the same as the windows' shuffles joined."""
+    from stoker.data.samplers import BlockShuffleSampler, _generator
+
+    offsets = [0, 10, 25, 40, 41, 60, 80, 95]
+    sampler = BlockShuffleSampler(offsets, window=3, seed=5)
+    sampler.set_epoch(3)
+    generator = _generator(5, 3)
+    blocks = torch.randperm(len(offsets) - 1, generator=generator).tolist()
+    pieces = []
+    for first in range(0, len(blocks), 3):
+        members = torch.cat(
+            [torch.arange(offsets[b], offsets[b + 1]) for b in blocks[first : first + 3]]
+        )
+        pieces.append(members[torch.randperm(len(members), generator=generator)])
+    order = sampler.epoch_indices()
+    assert order.dtype == torch.int32
+    assert order.tolist() == torch.cat(pieces).tolist()
+
+
+def test_a_pass_across_list_slices_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order becomes Python ints a slice at a time; across slices the pass, its count
+    and a resume from it are exact."""
+    from itertools import islice
+
+    from stoker.data import samplers
+
+    monkeypatch.setattr(samplers, "_LIST_SLICE", 7)
+    sampler = EpochRandomSampler(50, seed=2)
+    expected = sampler.epoch_indices().tolist()
+    passing = iter(sampler)
+    head = list(islice(passing, 20))
+    assert head == expected[:20] and sampler.samples_yielded == 20
+    resumed = EpochRandomSampler(50, seed=2)
+    resumed.load_state_dict(sampler.state_dict())
+    assert list(resumed) == expected[20:] and resumed.samples_yielded == 50
+    assert list(passing) == expected[20:]

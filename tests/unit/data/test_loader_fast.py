@@ -152,3 +152,24 @@ def test_device_resident_arrays_are_gathered_on_the_device(width: int) -> None:
     assert all(field.is_cuda for batch in batches for field in batch)
     cpu = build_loader(data, batch_size=8, shuffle=True, seed=4)
     assert same([tuple(f.cpu() for f in b) for b in batches], list(cpu))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("total", "batch_size"), [(23, 5), (20, 5), (3, 5), (0, 4)])
+def test_in_order_batches_are_made_one_at_a_time(total: int, batch_size: int, drop_last) -> None:
+    """In order, the epoch's batches equal BatchSampler's, without the epoch's index."""
+    batch_sampler = torch.utils.data.BatchSampler(
+        torch.utils.data.SequentialSampler(range(total)), batch_size, drop_last
+    )
+    batches = loader_fast.epoch_batches(batch_sampler)
+    assert not isinstance(batches, list)  # a generator: nothing made ahead
+    assert [b.tolist() for b in batches] == list(batch_sampler)
+
+
+def test_shuffled_batches_equal_the_batch_samplers() -> None:
+    from stoker.data import EpochRandomSampler
+
+    batch_sampler = torch.utils.data.BatchSampler(EpochRandomSampler(23, seed=1), 5, False)
+    batches = [b.tolist() for b in loader_fast.epoch_batches(batch_sampler)]
+    assert batches == list(batch_sampler)
+    assert [len(b) for b in batches] == [5, 5, 5, 5, 3]
