@@ -178,7 +178,7 @@ def _nothing_written(skipped: list[BadSample], source: Path) -> DataError:
 def _to_parquet(
     chunks: Iterator[CsvChunk], source: Path, dest: Path, chunk_rows: int, overwrite: bool
 ) -> _Result:
-    pa, _, pq = require_pyarrow("convert_csv(to='parquet')")
+    pa, pq = require_pyarrow("convert_csv(to='parquet')")
     _check_free([dest], overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + _PARTIAL)

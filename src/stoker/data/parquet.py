@@ -26,22 +26,25 @@ if TYPE_CHECKING:
 __all__ = ["ParquetDataset", "require_pyarrow"]
 
 
-def require_pyarrow(what: str) -> tuple[ModuleType, ModuleType, ModuleType]:
-    """Import ``pyarrow``, ``pyarrow.compute`` and ``pyarrow.parquet``, or say how to install them.
+def require_pyarrow(what: str) -> tuple[ModuleType, ModuleType]:
+    """Import ``pyarrow`` and ``pyarrow.parquet``, or say how to install them.
+
+    Not ``pyarrow.compute``: its wrappers cost ~10 MiB of RSS, and the casts that need
+    it (``ChunkedArray.cast``, ``fill_null``) import it themselves when a file has such
+    columns.
 
     Raises:
         ConfigError: pyarrow is not installed; the hint names the ``parquet`` extra.
     """
     try:
         import pyarrow
-        import pyarrow.compute
         import pyarrow.parquet
     except ImportError as error:
         raise ConfigError(
             f"{what} needs pyarrow, which is not installed.",
             hint="pip install 'stoker[parquet]'",
         ) from error
-    return pyarrow, pyarrow.compute, pyarrow.parquet
+    return pyarrow, pyarrow.parquet
 
 
 def _parquet_files(path: Path) -> list[Path]:
@@ -146,7 +149,7 @@ class ParquetDataset(Dataset):
                 f"ParquetDataset cache_row_groups must be an int >= 0; got {cache_row_groups!r}.",
                 hint="use cache_row_groups=4",
             )
-        pa, _, pq = require_pyarrow("ParquetDataset")
+        pa, pq = require_pyarrow("ParquetDataset")
         self._files = _parquet_files(Path(path))
         self._policy: BadRecordPolicy = bad_records
         self._cache_size = cache_row_groups
@@ -210,7 +213,7 @@ class ParquetDataset(Dataset):
         assert self._handles is not None
         handle = self._handles[file]
         if handle is None:
-            _, _, pq = require_pyarrow("ParquetDataset")
+            _, pq = require_pyarrow("ParquetDataset")
             handle = self._handles[file] = _open(pq, self._files[file])
         return handle
 
@@ -277,7 +280,7 @@ class ParquetDataset(Dataset):
         ``reuse``: a features array no longer needed (an evicted group's), filled in place
         when its shape fits, so that decoding group after group does not allocate anew.
         """
-        pa, pc, _ = require_pyarrow("ParquetDataset")
+        pa, _ = require_pyarrow("ParquetDataset")
         file = int(self._group_file[g])
         table = self._handle(file).read_row_group(int(self._group_index[g]), columns=columns)
         rows = table.num_rows
@@ -290,7 +293,7 @@ class ParquetDataset(Dataset):
         for name in columns:
             is_target = name == self._target
             dtype = self._target_dtype if is_target else np.float32
-            values = _column(pa, pc, table.column(name), dtype, name, reasons)
+            values = _column(pa, table.column(name), dtype, name, reasons)
             if is_target:
                 target = values
             else:
@@ -420,7 +423,6 @@ def _open(pq: ModuleType, file: Path) -> pq.ParquetFile:
 
 def _column(
     pa: ModuleType,
-    pc: ModuleType,
     column: pa.ChunkedArray,
     dtype: type[np.generic],
     name: str,
@@ -428,16 +430,16 @@ def _column(
 ) -> np.ndarray:
     """One column as numbers; rows that are null or not numbers go into ``reasons``."""
     if pa.types.is_dictionary(column.type):
-        column = pc.cast(column, column.type.value_type)
+        column = column.cast(column.type.value_type)
     if column.null_count:
         for row in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)):
             reasons.setdefault(int(row), f"column {name!r} is null")
     if _kind(pa, column.type) == "text":
         return _parse_text(column, dtype, name, reasons)
     if pa.types.is_decimal(column.type):
-        column = pc.cast(column, pa.float64())
+        column = column.cast(pa.float64())
     if column.null_count:
-        column = pc.fill_null(column, False if pa.types.is_boolean(column.type) else 0)
+        column = column.fill_null(False if pa.types.is_boolean(column.type) else 0)
     return column.to_numpy().astype(dtype, copy=False)
 
 

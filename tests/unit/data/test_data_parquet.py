@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -302,3 +303,18 @@ def test_no_arrow_memory_outlives_a_decode(tmp_path: Path) -> None:
     features, _ = ds.__getitems__([5, 15_000])
     assert pa.total_allocated_bytes() == before
     np.testing.assert_array_equal(features.numpy(), expected([5, 15_000])[0])
+
+
+def test_plain_numeric_files_never_import_pyarrow_compute(two_files: Path) -> None:
+    """pyarrow.compute's wrappers cost ~10 MiB of RSS; plain numbers need none of it."""
+    script = (
+        "import sys\n"
+        "from stoker.data.parquet import ParquetDataset\n"
+        f"ds = ParquetDataset({str(two_files)!r}, target='y')\n"
+        "x, y = ds.__getitems__([0, 12, 39])\n"
+        "assert x.shape == (3, 3) and y.tolist() == [0, 0, 0], (x, y)\n"
+        "print('pyarrow.compute' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
