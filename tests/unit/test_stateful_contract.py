@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from stoker.data.bucketing import LengthBucketBatchSampler
-from stoker.data.samplers import BlockShuffleSampler, EpochRandomSampler, EpochWeightedSampler
+from stoker.data.samplers import BlockShuffleSampler, EpochRandomSampler
 from stoker.data.streaming import ShardStream
+from stoker.data.weighted import EpochWeightedSampler
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -11,13 +11,7 @@ from stoker.data.loader import EpochLoader, SamplerName, build_loader
 from stoker.data.memmap import NpyDataset
 from stoker.data.parquet import ParquetDataset
 from stoker.data.records import BadRecordLog, BadSample
-from stoker.data.samplers import (
-    BlockShuffleSampler,
-    EpochRandomSampler,
-    EpochWeightedSampler,
-    balanced_weights,
-    epoch_seed,
-)
+from stoker.data.samplers import BlockShuffleSampler, EpochRandomSampler, epoch_seed
 from stoker.data.sources import ArrayDataset, dataset_targets, split_dataset
 from stoker.data.streaming import ShardStream
 from stoker.data.tabular import CsvDataset
@@ -34,6 +28,7 @@ from stoker.data.transforms import (
     ToTensor,
     sample_generator,
 )
+from stoker.data.weighted import EpochWeightedSampler, balanced_weights
 
 __all__ = [
     "ArrayDataset",

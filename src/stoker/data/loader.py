@@ -47,12 +47,11 @@ from stoker.data.records import BadRecordLog, FilteredBatch
 from stoker.data.samplers import (
     BlockShuffleSampler,
     EpochRandomSampler,
-    EpochWeightedSampler,
-    balanced_weights,
     epoch_seed,
     rank_and_world_size,
 )
 from stoker.data.sources import ArrayDataset, dataset_targets
+from stoker.data.weighted import EpochWeightedSampler, balanced_weights
 from stoker.data.worker_faults import NamedFetch, sample_error
 from stoker.data.worker_watch import DEFAULT_TIMEOUT_S, WorkerInit, WorkerWatch, poll_interval
 from stoker.errors import ConfigError, DataError, StokerError

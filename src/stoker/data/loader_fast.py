@@ -19,8 +19,9 @@ from itertools import chain
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler, SequentialSampler
 
-from stoker.data.samplers import EpochRandomSampler, EpochWeightedSampler, index_dtype
+from stoker.data.samplers import EpochRandomSampler, index_dtype
 from stoker.data.sources import ArrayDataset
+from stoker.data.weighted import EpochWeightedSampler
 
 __all__ = [
     "ArrayGather",

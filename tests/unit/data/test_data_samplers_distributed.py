@@ -7,13 +7,8 @@ import itertools
 import pytest
 import torch
 
-from stoker.data.samplers import (
-    EpochRandomSampler,
-    EpochWeightedSampler,
-    epoch_seed,
-    rank_and_world_size,
-    rank_slice,
-)
+from stoker.data.samplers import EpochRandomSampler, epoch_seed, rank_and_world_size, rank_slice
+from stoker.data.weighted import EpochWeightedSampler
 from stoker.errors import ConfigError
 
 

@@ -1,0 +1,232 @@
+"""Weighted sampling seeded by (seed, epoch) alone, and class-balanced weights."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from stoker.data.samplers import (
+    _RANK_STREAM,
+    EpochPosition,
+    _check_resume,
+    _generator,
+    _pass_over,
+    rank_and_world_size,
+    rank_slice,
+)
+from stoker.errors import ConfigError, DataError
+
+__all__ = ["EpochWeightedSampler", "balanced_weights"]
+
+
+def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
+    try:
+        w = torch.as_tensor(
+            np.asarray(weights) if not isinstance(weights, torch.Tensor) else weights
+        )
+        w = w.to(dtype=torch.float64, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise DataError(
+            f"sampler weights of type {type(weights).__name__} do not convert to numbers.",
+            hint="pass a 1-D tensor, numpy array or list of non-negative floats, one per sample",
+        ) from error
+    if w.dim() != 1:
+        raise DataError(
+            f"sampler weights have shape {tuple(w.shape)}; expected a 1-D array "
+            "with one weight per sample.",
+            hint="flatten the weights, e.g. weights.reshape(-1)",
+        )
+    if dataset_len is not None and w.numel() != dataset_len:
+        raise DataError(
+            f"sampler weights have {w.numel()} entries but the dataset has {dataset_len} "
+            "samples; expected one weight per sample.",
+            hint="compute the weights from the same dataset the loader reads",
+        )
+    if w.numel() == 0:
+        raise DataError(
+            "sampler weights are empty; expected one weight per sample.",
+            hint="give a non-empty dataset and its weights",
+        )
+    bad = (~torch.isfinite(w)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise DataError(
+            f"sampler weight at index {i} is {w[i].item()}; expected finite weights "
+            f"({bad.numel()} non-finite in total).",
+            hint="replace NaN/inf weights, e.g. torch.nan_to_num(weights, nan=0.0)",
+        )
+    negative = (w < 0).nonzero()
+    if negative.numel():
+        i = int(negative[0])
+        raise DataError(
+            f"sampler weight at index {i} is {w[i].item()}; expected non-negative weights "
+            f"({negative.numel()} negative in total).",
+            hint="weights are relative probabilities; use values >= 0",
+        )
+    if not bool((w > 0).any()):
+        raise DataError(
+            f"all {w.numel()} sampler weights are zero; expected at least one positive weight.",
+            hint="give some samples a positive weight, or use loader.weights=balanced",
+        )
+    return w
+
+
+class EpochWeightedSampler(Sampler[int]):
+    """``WeightedRandomSampler`` whose draws are determined by ``(seed, epoch)`` alone.
+
+    Distributed, with replacement: each rank makes ``ceil(num_samples / world_size)``
+    draws from its own random stream (rank 0 of one process draws what a single
+    process would). Without replacement: every rank makes the same draw of
+    ``num_samples`` and takes every ``world_size``-th, so no index repeats across
+    ranks (but for the padding that evens out the last round).
+
+    Mid-epoch resume works as for :class:`EpochRandomSampler`.
+    """
+
+    def __init__(
+        self,
+        weights: torch.Tensor | np.ndarray | Sequence[float],
+        *,
+        num_samples: int | None = None,
+        replacement: bool = True,
+        seed: int = 0,
+        dataset_len: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """Build the sampler.
+
+        Args:
+            weights: One non-negative, finite weight per sample (need not sum to 1).
+            num_samples: Draws per epoch over all ranks; defaults to ``len(weights)``.
+            replacement: Draw with replacement (the usual choice for class balancing).
+            seed: Base seed, mixed with the epoch (and, with replacement, the rank).
+            dataset_len: Length of the dataset, checked against ``len(weights)``.
+            rank: This process's rank; defaults to torch.distributed's, else 0.
+            world_size: Number of ranks; defaults to torch.distributed's, else 1.
+
+        Raises:
+            DataError: Weights that are not 1-D, not finite, negative, all zero, or of
+                the wrong length.
+            ConfigError: ``num_samples`` below 1, more draws without replacement
+                than samples with positive weight, or a bad rank or world size.
+        """
+        self.weights = _validate_weights(weights, dataset_len)
+        if num_samples is None:
+            num_samples = self.weights.numel()
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ConfigError(
+                f"loader.num_samples must be a positive int; got {num_samples!r}.",
+                hint="set loader.num_samples to the draws per epoch, or leave it unset "
+                "for one draw per sample",
+            )
+        positive = int((self.weights > 0).sum())
+        if not replacement and num_samples > positive:
+            raise ConfigError(
+                f"loader.num_samples={num_samples} draws without replacement, but only "
+                f"{positive} samples have a positive weight.",
+                hint=f"set loader.num_samples<={positive}, or sample with replacement",
+            )
+        self.num_samples = num_samples
+        self.replacement = replacement
+        self.seed = int(seed)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
+        self.epoch = 0
+        self._position = EpochPosition()
+        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
+
+    @property
+    def samples_yielded(self) -> int:
+        """Indices handed out by the current (or last) pass of this epoch."""
+        return self._position.yielded
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the draws of ``epoch``; a different epoch starts from its beginning."""
+        if int(epoch) != self.epoch:
+            self._position.reset()
+        self.epoch = int(epoch)
+
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's whole draw for the epoch, as one int64 tensor."""
+        if self.world_size > 1 and self.replacement:
+            # Independent draws need no coordination: a stream of its own per rank.
+            generator = _generator(self.seed, self.epoch, stream=_RANK_STREAM + self.rank)
+            return torch.multinomial(self.weights, len(self), True, generator=generator)
+        draws = torch.multinomial(
+            self.weights,
+            self.num_samples,
+            self.replacement,
+            generator=_generator(self.seed, self.epoch),
+        )
+        return rank_slice(draws, self.rank, self.world_size, drop_last=False)
+
+    def indices(self) -> torch.Tensor:
+        """What the next ``__iter__`` yields: the epoch's draws after any resumed position."""
+        return self.epoch_indices()[self._position.peek() :]
+
+    def __iter__(self) -> Iterator[int]:
+        return _pass_over(self, self.epoch_indices())
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_samples / self.world_size)
+
+    def state_dict(self) -> dict[str, int]:
+        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
+
+        While a pass is unfinished the state also holds ``samples_yielded`` and
+        ``world_size``.
+        """
+        state = {"seed": self.seed, "epoch": self.epoch}
+        if 0 < self._position.yielded < len(self):
+            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
+        count = _check_resume(
+            "EpochWeightedSampler", state, world_size=self.world_size, total=len(self)
+        )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self._position.restore(count)
+
+
+def balanced_weights(targets: torch.Tensor | np.ndarray | Sequence[Any]) -> torch.Tensor:
+    """Class-balanced sample weights: ``1 / count(class of the sample)``.
+
+    With these weights every class is drawn equally often in expectation.
+
+    Args:
+        targets: One class label per sample.
+
+    Returns:
+        A float64 tensor with one weight per sample.
+
+    Raises:
+        DataError: The labels are not 1-D or are empty.
+    """
+    t = torch.as_tensor(targets if isinstance(targets, torch.Tensor) else np.asarray(targets))
+    if t.dim() != 1:
+        raise DataError(
+            f"class labels have shape {tuple(t.shape)}; expected a 1-D array with one "
+            "class id per sample.",
+            hint="for one-hot labels pass labels.argmax(dim=1)",
+        )
+    if t.numel() == 0:
+        raise DataError(
+            "class labels are empty; expected one label per sample.",
+            hint="check that the dataset is not empty",
+        )
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise DataError(
+            "class labels contain NaN or inf; expected class ids.",
+            hint="clean the labels before computing balanced weights",
+        )
+    _, inverse, counts = torch.unique(t.cpu(), return_inverse=True, return_counts=True)
+    weights = 1.0 / counts.to(torch.float64)
+    return weights[inverse]
