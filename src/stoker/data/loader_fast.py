@@ -19,9 +19,8 @@ from itertools import chain
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler, SequentialSampler
 
-from stoker.data.samplers import EpochRandomSampler, index_dtype
+from stoker.data.samplers import EpochOrderSampler, index_dtype
 from stoker.data.sources import ArrayDataset
-from stoker.data.weighted import EpochWeightedSampler
 
 __all__ = [
     "ArrayGather",
@@ -49,7 +48,7 @@ _said: set[str] = set()
 
 def sampler_indices(sampler: Sampler | Iterable[int]) -> torch.Tensor:
     """One epoch of a sampler's indices as an integer tensor."""
-    if isinstance(sampler, EpochRandomSampler | EpochWeightedSampler):
+    if isinstance(sampler, EpochOrderSampler):
         return sampler.indices()
     if isinstance(sampler, SequentialSampler):
         return torch.arange(len(sampler), dtype=index_dtype(len(sampler)))

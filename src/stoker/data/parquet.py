@@ -286,8 +286,7 @@ class ParquetDataset(Dataset):
         rows = table.num_rows
         features = [c for c in columns if c != self._target]
         shape = (rows, len(features))
-        fits = reuse is not None and reuse.shape == shape and reuse.dtype == np.float32
-        out = reuse if fits else np.empty(shape, dtype=np.float32)
+        out = reuse if reuse is not None and reuse.shape == shape else np.empty(shape, np.float32)
         target = None
         reasons: dict[int, str] = {}
         for name in columns:

@@ -20,6 +20,7 @@ from stoker.errors import ConfigError, DataError
 logger = logging.getLogger("stoker")
 
 __all__ = [
+    "EpochOrderSampler",
     "EpochPosition",
     "EpochRandomSampler",
     "epoch_seed",
@@ -194,7 +195,71 @@ def _pass_over(sampler: Any, order: torch.Tensor) -> Iterator[int]:
     sampler._finished_epoch = sampler.epoch
 
 
-class EpochRandomSampler(Sampler[int]):
+class EpochOrderSampler(Sampler[int]):
+    """What the epoch samplers share: a pass over :meth:`epoch_indices`, resumable.
+
+    A subclass draws the epoch's indices from ``(seed, epoch)`` alone in
+    ``epoch_indices`` and calls :meth:`_start_epochs` when built; this class keeps the
+    position in the pass, selects epochs, and saves and restores the state.
+    """
+
+    #: The sampler's name in a resume error.
+    _resume_name = "EpochOrderSampler"
+
+    def _start_epochs(self, seed: int, rank: int | None, world_size: int | None) -> None:
+        self.seed = int(seed)
+        self.rank, self.world_size = rank_and_world_size(rank, world_size)
+        self.epoch = 0
+        self._position = EpochPosition()
+        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
+
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's whole order for the epoch, as one tensor."""
+        raise NotImplementedError(f"{type(self).__name__} must define epoch_indices()")
+
+    @property
+    def samples_yielded(self) -> int:
+        """Indices handed out by the current (or last) pass of this epoch."""
+        return self._position.yielded
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; a different epoch starts from its beginning."""
+        if int(epoch) != self.epoch:
+            self._position.reset()
+        self.epoch = int(epoch)
+
+    def indices(self) -> torch.Tensor:
+        """What the next ``__iter__`` yields: the epoch's order after any resumed position."""
+        return self.epoch_indices()[self._position.peek() :]
+
+    def __iter__(self) -> Iterator[int]:
+        return _pass_over(self, self.epoch_indices())
+
+    def state_dict(self) -> dict[str, int]:
+        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
+
+        While a pass is unfinished the state also holds ``samples_yielded`` and
+        ``world_size``; a finished (or unstarted) pass leaves the epoch to say it all.
+        """
+        state = {"seed": self.seed, "epoch": self.epoch}
+        if 0 < self._position.yielded < len(self):  # type: ignore[arg-type]
+            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
+        count = _check_resume(
+            self._resume_name,
+            state,
+            world_size=self.world_size,
+            total=len(self),  # type: ignore[arg-type]
+        )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self._position.restore(count)
+
+
+class EpochRandomSampler(EpochOrderSampler):
     """A random permutation per epoch, determined by ``(seed, epoch)`` alone.
 
     Unlike ``RandomSampler`` it never touches the global RNG, so a run resumed at
@@ -213,6 +278,8 @@ class EpochRandomSampler(Sampler[int]):
     workers draws indices ahead of the batches it has delivered (its prefetch), so
     there the count runs ahead; with ``num_workers=0`` it is exact per batch.
     """
+
+    _resume_name = "EpochRandomSampler"
 
     def __init__(
         self,
@@ -242,24 +309,9 @@ class EpochRandomSampler(Sampler[int]):
                 hint="pass len(dataset)",
             )
         self.num_samples = num_samples
-        self.seed = int(seed)
-        self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.drop_last = drop_last
         self.shuffle = shuffle
-        self.epoch = 0
-        self._position = EpochPosition()
-        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
-
-    @property
-    def samples_yielded(self) -> int:
-        """Indices handed out by the current (or last) pass of this epoch."""
-        return self._position.yielded
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch``; a different epoch starts from its beginning."""
-        if int(epoch) != self.epoch:
-            self._position.reset()
-        self.epoch = int(epoch)
+        self._start_epochs(seed, rank, world_size)
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's whole order for the epoch, as one tensor (see :func:`index_dtype`)."""
@@ -271,37 +323,10 @@ class EpochRandomSampler(Sampler[int]):
             order = torch.arange(self.num_samples, dtype=dtype)
         return rank_slice(order, self.rank, self.world_size, drop_last=self.drop_last)
 
-    def indices(self) -> torch.Tensor:
-        """What the next ``__iter__`` yields: the epoch's order after any resumed position."""
-        return self.epoch_indices()[self._position.peek() :]
-
-    def __iter__(self) -> Iterator[int]:
-        return _pass_over(self, self.epoch_indices())
-
     def __len__(self) -> int:
         if self.drop_last:
             return self.num_samples // self.world_size
         return math.ceil(self.num_samples / self.world_size)
-
-    def state_dict(self) -> dict[str, int]:
-        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
-
-        While a pass is unfinished the state also holds ``samples_yielded`` and
-        ``world_size``; a finished (or unstarted) pass leaves the epoch to say it all.
-        """
-        state = {"seed": self.seed, "epoch": self.epoch}
-        if 0 < self._position.yielded < len(self):
-            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
-        count = _check_resume(
-            "EpochRandomSampler", state, world_size=self.world_size, total=len(self)
-        )
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self._position.restore(count)
 
 
 class BlockShuffleSampler(EpochRandomSampler):
@@ -343,7 +368,8 @@ class BlockShuffleSampler(EpochRandomSampler):
         blocks = torch.randperm(len(self.bounds) - 1, generator=generator).tolist()
         # Filled window by window: the epoch's order is the only array as long as the
         # dataset (joining per-window pieces would hold it twice at the peak).
-        order = torch.empty(int(self.bounds[-1]), dtype=index_dtype(int(self.bounds[-1])))
+        total = int(self.bounds[-1])
+        order = torch.empty(total, dtype=index_dtype(total))
         filled = 0
         for first in range(0, len(blocks), self.window):
             members = torch.cat(

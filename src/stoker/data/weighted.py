@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 
-from stoker.data.samplers import (
-    _RANK_STREAM,
-    EpochPosition,
-    _check_resume,
-    _generator,
-    _pass_over,
-    rank_and_world_size,
-    rank_slice,
-)
+from stoker.data.samplers import _RANK_STREAM, EpochOrderSampler, _generator, rank_slice
 from stoker.errors import ConfigError, DataError
 
 __all__ = ["EpochWeightedSampler", "balanced_weights"]
@@ -76,7 +67,7 @@ def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
     return w
 
 
-class EpochWeightedSampler(Sampler[int]):
+class EpochWeightedSampler(EpochOrderSampler):
     """``WeightedRandomSampler`` whose draws are determined by ``(seed, epoch)`` alone.
 
     Distributed, with replacement: each rank makes ``ceil(num_samples / world_size)``
@@ -87,6 +78,8 @@ class EpochWeightedSampler(Sampler[int]):
 
     Mid-epoch resume works as for :class:`EpochRandomSampler`.
     """
+
+    _resume_name = "EpochWeightedSampler"
 
     def __init__(
         self,
@@ -134,22 +127,7 @@ class EpochWeightedSampler(Sampler[int]):
             )
         self.num_samples = num_samples
         self.replacement = replacement
-        self.seed = int(seed)
-        self.rank, self.world_size = rank_and_world_size(rank, world_size)
-        self.epoch = 0
-        self._position = EpochPosition()
-        self._finished_epoch: int | None = None  # the epoch whose pass last ran to its end
-
-    @property
-    def samples_yielded(self) -> int:
-        """Indices handed out by the current (or last) pass of this epoch."""
-        return self._position.yielded
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the draws of ``epoch``; a different epoch starts from its beginning."""
-        if int(epoch) != self.epoch:
-            self._position.reset()
-        self.epoch = int(epoch)
+        self._start_epochs(seed, rank, world_size)
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's whole draw for the epoch, as one int64 tensor."""
@@ -165,35 +143,8 @@ class EpochWeightedSampler(Sampler[int]):
         )
         return rank_slice(draws, self.rank, self.world_size, drop_last=False)
 
-    def indices(self) -> torch.Tensor:
-        """What the next ``__iter__`` yields: the epoch's draws after any resumed position."""
-        return self.epoch_indices()[self._position.peek() :]
-
-    def __iter__(self) -> Iterator[int]:
-        return _pass_over(self, self.epoch_indices())
-
     def __len__(self) -> int:
         return math.ceil(self.num_samples / self.world_size)
-
-    def state_dict(self) -> dict[str, int]:
-        """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
-
-        While a pass is unfinished the state also holds ``samples_yielded`` and
-        ``world_size``.
-        """
-        state = {"seed": self.seed, "epoch": self.epoch}
-        if 0 < self._position.yielded < len(self):
-            state |= {"samples_yielded": self._position.yielded, "world_size": self.world_size}
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next pass continues where that one stopped."""
-        count = _check_resume(
-            "EpochWeightedSampler", state, world_size=self.world_size, total=len(self)
-        )
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self._position.restore(count)
 
 
 def balanced_weights(targets: torch.Tensor | np.ndarray | Sequence[Any]) -> torch.Tensor:
