@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from stoker.data.images import ImageFolder
+from stoker.data.images import ImageFolder, ImageMode
 from stoker.data.memmap import NpyDataset
 from stoker.data.parquet import ParquetDataset
 from stoker.data.records import BadRecordPolicy
 from stoker.data.streaming import ShardStream
-from stoker.data.tabular import CsvDataset
+from stoker.data.tabular import CsvDataset, TargetDtype
 from stoker.data.text import JsonlDataset
 from stoker.data.tokenizers import ByteTokenizer, CharTokenizer
 from stoker.data.transforms import (
@@ -70,10 +70,20 @@ def csv(
     target: str | None = None,
     delimiter: str = ",",
     bad_records: BadRecordPolicy = "error",
+    target_dtype: TargetDtype = "auto",
 ) -> CsvDataset:
-    """A CSV file with a header, read by line offset (`stoker data convert` makes it faster)."""
+    """A CSV file with a header, read by line offset (`stoker data convert` makes it faster).
+
+    ``target_dtype: float32`` reads an integer-valued target as a regression target
+    (``auto`` would read it as class labels).
+    """
     return CsvDataset(
-        path, features=features, target=target, delimiter=delimiter, bad_records=bad_records
+        path,
+        features=features,
+        target=target,
+        delimiter=delimiter,
+        bad_records=bad_records,
+        target_dtype=target_dtype,
     )
 
 
@@ -113,6 +123,7 @@ def _tokenizer(name: str, max_length: int | None, *, path: str, text_field: str)
 def image_folder(
     root: str,
     *,
+    mode: ImageMode | None = None,
     size: int | None = None,
     augment: bool = False,
     mean: Sequence[float] | None = None,
@@ -122,8 +133,10 @@ def image_folder(
 ) -> ImageFolder:
     """One sub-folder per class, as float CHW tensors.
 
-    ``size`` resizes to size×size; ``augment`` adds a padded random crop and a horizontal
-    flip, seeded by (seed, epoch, index) so the number of workers does not change them.
+    ``mode`` is ``keep`` (each file's own), ``L``, ``RGB`` or ``RGBA``; unset, images
+    become RGB and a file of another mode is logged once. ``size`` resizes to size×size;
+    ``augment`` adds a padded random crop and a horizontal flip, seeded by (seed, epoch,
+    index) so the number of workers does not change them.
     """
     steps: list[Any] = [ToTensor()]  # the random transforms work on tensors
     if size is not None:
@@ -134,7 +147,9 @@ def image_folder(
         steps.append(RandomHorizontalFlip())
     if mean is not None and std is not None:
         steps.append(Normalize(mean, std))
-    return ImageFolder(root, transform=Compose(steps), bad_records=bad_records, seed=seed)
+    return ImageFolder(
+        root, transform=Compose(steps), mode=mode, bad_records=bad_records, seed=seed
+    )
 
 
 def shards(
