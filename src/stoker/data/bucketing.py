@@ -8,12 +8,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from stoker.data.samplers import EpochPosition, epoch_seed, rank_and_world_size
+from stoker.data.sources import dataset_lengths, innermost
 from stoker.errors import ConfigError, DataError
 
-__all__ = ["LengthBucketBatchSampler"]
+__all__ = ["LengthBucketBatchSampler", "bucket_lengths"]
 
 # epoch_seed streams: the batch order, and the random batches padding_stats compares with.
 _BATCH_ORDER_STREAM = 2
@@ -49,6 +50,48 @@ def _validate_lengths(lengths: Any) -> torch.Tensor:
             hint="check how the lengths were computed",
         )
     return t.to(dtype=torch.long, device="cpu")
+
+
+def bucket_lengths(dataset: Dataset) -> torch.Tensor:
+    """The per-sample lengths ``loader.sampler=bucket`` groups ``dataset`` by.
+
+    From the dataset's ``lengths()``; for the training part of a ``val_fraction`` split
+    (a ``Subset``) or a cached dataset, from the wrapped dataset's, at the part's indices.
+
+    Raises:
+        ConfigError: The dataset declares no lengths; the hint says how to give them, or
+            to use another sampler where stoker's own dataset has none to give.
+        DataError: Lengths that are not one integer >= 0 per sample.
+    """
+    inner, indices, name = innermost(dataset)
+    lengths = dataset_lengths(inner)
+    if lengths is None:
+        if type(inner).__module__.startswith("stoker."):
+            # stoker's own sources without lengths hold fixed-size samples (rows, images).
+            hint = (
+                f"{type(inner).__name__} has no lengths to bucket by (its samples have a "
+                "fixed size): set loader.sampler=random (or auto)"
+            )
+        else:
+            hint = (
+                f"add a lengths() method to {type(inner).__name__} returning one int per "
+                "sample, without loading the samples (e.g. `return torch.tensor([len(t) "
+                "for t in self.texts])`), or set loader.sampler=random"
+            )
+        raise ConfigError(
+            f"loader.sampler=bucket needs per-sample lengths, but {name} has no lengths() method.",
+            hint=hint,
+        )
+    checked = _validate_lengths(lengths)
+    count = len(inner)  # type: ignore[arg-type]
+    if checked.numel() != count:
+        raise DataError(
+            f"{type(inner).__name__}.lengths() gave {checked.numel()} lengths for its "
+            f"{count} samples; expected one length per sample.",
+            hint=f"return one length per sample of {type(inner).__name__}, in index order",
+        )
+    # A split's training part: the lengths of its samples, none of them read again.
+    return checked if indices is None else checked[indices]
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -19,7 +19,7 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from stoker.data.bucketing import LengthBucketBatchSampler
+from stoker.data.bucketing import LengthBucketBatchSampler, bucket_lengths
 from stoker.data.collate import passthrough
 from stoker.data.loader_checks import (
     SamplerName,
@@ -50,11 +50,11 @@ from stoker.data.samplers import (
     epoch_seed,
     rank_and_world_size,
 )
-from stoker.data.sources import ArrayDataset, dataset_targets
-from stoker.data.weighted import EpochWeightedSampler, balanced_weights
+from stoker.data.sources import ArrayDataset
+from stoker.data.weighted import weighted_sampler_for
 from stoker.data.worker_faults import NamedFetch, sample_error
 from stoker.data.worker_watch import DEFAULT_TIMEOUT_S, WorkerInit, WorkerWatch, poll_interval
-from stoker.errors import ConfigError, DataError, StokerError
+from stoker.errors import DataError, StokerError
 
 __all__ = ["EpochLoader", "PerSampleView", "SamplerName", "build_loader", "skip_bad_collate"]
 
@@ -321,46 +321,6 @@ def _dataset_length(dataset: Dataset) -> int:
     return length
 
 
-def _weighted_sampler(
-    dataset: Dataset, weights: Any, *, num_samples: int | None, seed: int
-) -> EpochWeightedSampler:
-    if isinstance(weights, str):
-        if weights != "balanced":
-            raise ConfigError(
-                f"loader.weights={weights!r} is not understood; expected 'balanced' or one "
-                "weight per sample.",
-                hint="set loader.weights=balanced, or pass a 1-D array of weights",
-            )
-        targets = dataset_targets(dataset)
-        if targets is None:
-            raise DataError(
-                f"loader.weights=balanced needs the labels of {type(dataset).__name__}, "
-                "but they are not known without reading every sample.",
-                hint="use an ArrayDataset with the labels as its second field, give the "
-                "dataset a `targets` attribute, or pass weights=balanced_weights(labels)",
-            )
-        weights = balanced_weights(targets)
-    return EpochWeightedSampler(
-        weights,
-        num_samples=num_samples,
-        seed=seed,
-        dataset_len=len(dataset),  # type: ignore[arg-type]
-    )
-
-
-def _lengths(dataset: Dataset) -> torch.Tensor:
-    """Per-sample lengths for bucketing, from the dataset's ``lengths()``."""
-    lengths = getattr(dataset, "lengths", None)
-    if not callable(lengths):
-        raise ConfigError(
-            f"loader.sampler=bucket needs per-sample lengths, but {type(dataset).__name__} "
-            "has no lengths() method",
-            hint="use a text dataset (JsonlDataset, TextListDataset) or add lengths() "
-            "returning one int per sample",
-        )
-    return torch.as_tensor(lengths())
-
-
 def build_loader(
     dataset: Dataset,
     *,
@@ -475,7 +435,7 @@ def build_loader(
     elif resolved == "random":
         index_sampler = EpochRandomSampler(length, seed=seed)
     elif resolved == "weighted":
-        index_sampler = _weighted_sampler(dataset, weights, num_samples=num_samples, seed=seed)
+        index_sampler = weighted_sampler_for(dataset, weights, num_samples=num_samples, seed=seed)
     elif not streaming and split_across_ranks and rank_and_world_size()[1] > 1:
         # In order, but split across the ranks (else every rank would read everything).
         index_sampler = EpochRandomSampler(length, seed=seed, shuffle=False)
@@ -494,7 +454,7 @@ def build_loader(
     if resolved == "bucket":
         batching: dict[str, Any] = {
             "batch_sampler": LengthBucketBatchSampler(
-                _lengths(dataset),
+                bucket_lengths(dataset),
                 batch_size=batch_size,
                 bucket_size_multiplier=bucket_size_multiplier,
                 shuffle=shuffle,

@@ -8,6 +8,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from stoker.data.sources import dataset_targets, innermost
 from stoker.errors import ConfigError
 
 __all__ = [
@@ -144,7 +145,13 @@ def resolve_sampler(
         (
             not streaming and sampler == "weighted" and weights is None,
             "loader.sampler=weighted needs per-sample weights, but loader.weights is unset.",
-            "set loader.weights=balanced for class balancing, or give one weight per sample",
+            _weights_fix(dataset) if sampler == "weighted" and weights is None else "",
+        ),
+        (
+            streaming and sampler == "bucket",
+            f"loader.sampler=bucket cannot group {type(dataset).__name__} by length: it is "
+            "an IterableDataset (a stream), read in its own order.",
+            "set loader.sampler=auto (or give a map-style dataset with lengths() to bucket)",
         ),
         (
             not streaming and sampler in ("sequential", "random") and weights is not None,
@@ -160,6 +167,22 @@ def resolve_sampler(
     ]
     problems.extend(Problem(message, fix) for bad, message, fix in rules if bad)
     return resolved
+
+
+def _weights_fix(dataset: Dataset) -> str:
+    """The fix for a weighted sampler without weights: ``balanced`` only if labels are known."""
+    if dataset_targets(dataset) is not None:
+        return "set loader.weights=balanced for class balancing, or give one weight per sample"
+    inner, _, name = innermost(dataset)
+    if type(inner).__module__.startswith("stoker."):
+        return (
+            f"set loader.weights to one weight per sample ({name} does not hold its labels "
+            "apart from the samples, so weights=balanced cannot be used)"
+        )
+    return (
+        f"set loader.weights to one weight per sample, or give {type(inner).__name__} a "
+        "`targets` attribute (one class id per sample) and set loader.weights=balanced"
+    )
 
 
 def raise_all(problems: list[Problem]) -> None:

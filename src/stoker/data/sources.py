@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
+from stoker.data.cache import CachedDataset
 from stoker.errors import ConfigError, DataError
 
-__all__ = ["ArrayDataset", "dataset_targets", "split_dataset"]
+__all__ = [
+    "ArrayDataset",
+    "dataset_lengths",
+    "dataset_targets",
+    "innermost",
+    "origin_indices",
+    "origin_lengths",
+    "split_dataset",
+]
 
 ArrayLike = torch.Tensor | np.ndarray
 
@@ -124,6 +133,8 @@ class ArrayDataset(Dataset):
             )
         self._arrays = tensors
         self._names: tuple[str, ...] | None = names
+        # A part made by subset(): (rows of the whole, indices into it), for origin_indices.
+        self._origin: tuple[int, torch.Tensor] | None = None
         self._length = lengths[0]
         # Devices other than the CPU need the index there too (e.g. a dataset kept on GPU).
         self._on_cpu = all(t.device.type == "cpu" for t in tensors)
@@ -180,9 +191,16 @@ class ArrayDataset(Dataset):
         return tuple([t.index_select(0, idx.to(t.device)) for t in self._arrays])
 
     def subset(self, indices: Sequence[int] | torch.Tensor) -> ArrayDataset:
-        """A new ArrayDataset holding the rows at ``indices`` (gathered once, copied)."""
+        """A new ArrayDataset holding the rows at ``indices`` (gathered once, copied).
+
+        The part remembers which rows of this dataset it holds (not the dataset itself,
+        which it would keep alive), so per-sample weights given for the whole still map
+        onto it (:func:`origin_indices`).
+        """
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return ArrayDataset(*self.__getitems__(idx), names=self._names)
+        part = ArrayDataset(*self.__getitems__(idx), names=self._names)
+        part._origin = (self._length, idx)
+        return part
 
     def __repr__(self) -> str:
         fields = ", ".join(
@@ -247,29 +265,154 @@ def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int) -> tuple[
     return Subset(dataset, train_idx.tolist()), Subset(dataset, val_idx.tolist())
 
 
-def dataset_targets(dataset: Dataset) -> torch.Tensor | None:
-    """The labels of ``dataset`` if they are known without reading every sample.
+def _wrapped(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None] | None:
+    """The dataset ``dataset`` reads from, and the indices into it (None: the same ones).
 
-    Known for ``ArrayDataset`` (second field), ``TensorDataset`` (second tensor),
-    ``Subset`` of a dataset with known labels, and any dataset with a ``targets``
-    attribute that converts to a tensor (as torchvision datasets have).
-
-    Returns:
-        One label per sample, or None when the labels are not cheaply known.
+    A ``Subset`` (stoker's ``val_fraction`` split, or ``random_split``) reads the rows at
+    its indices; a ``CachedDataset`` (``data.cache``) reads the same rows it serves.
     """
     if isinstance(dataset, Subset):
-        inner = dataset_targets(dataset.dataset)
-        if inner is None:
-            return None
-        return inner[torch.as_tensor(dataset.indices, dtype=torch.long)]
+        return dataset.dataset, torch.as_tensor(dataset.indices, dtype=torch.long)
+    if isinstance(dataset, CachedDataset):
+        return dataset.dataset, None
+    return None
+
+
+def _per_sample(dataset: Dataset, own: Callable[[Dataset], torch.Tensor | None]) -> Any:
+    """``own(dataset)``, else that of the dataset it wraps, mapped onto its samples."""
+    value = own(dataset)
+    if value is not None:
+        return value
+    inner = _wrapped(dataset)
+    if inner is None:
+        return None
+    values = _per_sample(inner[0], own)
+    if values is None or inner[1] is None:
+        return values
+    return values[inner[1]]
+
+
+def _own_targets(dataset: Dataset) -> torch.Tensor | None:
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[1] if len(dataset.tensors) > 1 else None
-    targets = getattr(dataset, "targets", None)
-    if targets is None:
+    try:
+        targets = getattr(dataset, "targets", None)
+    except AttributeError:  # a wrapper's property that forwards to a dataset without them
         return None
-    if isinstance(targets, torch.Tensor):
+    if targets is None or isinstance(targets, torch.Tensor):
         return targets
     try:
         return torch.as_tensor(np.asarray(targets))
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _own_lengths(dataset: Dataset) -> torch.Tensor | None:
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        return None
+    if callable(lengths):
+        lengths = lengths()
+    return lengths if isinstance(lengths, torch.Tensor) else torch.as_tensor(np.asarray(lengths))
+
+
+def dataset_targets(dataset: Dataset) -> torch.Tensor | None:
+    """The labels of ``dataset`` if they are known without reading every sample.
+
+    Known for ``ArrayDataset`` (second field), ``TensorDataset`` (second tensor), any
+    dataset with a ``targets`` attribute that converts to a tensor (as torchvision
+    datasets have), and a ``Subset`` (a ``val_fraction`` split) or ``CachedDataset`` of
+    one of those: their labels are the wrapped dataset's, taken at their indices.
+
+    Returns:
+        One label per sample, or None when the labels are not cheaply known.
+    """
+    return _per_sample(dataset, _own_targets)
+
+
+def dataset_lengths(dataset: Dataset) -> torch.Tensor | None:
+    """The per-sample lengths of ``dataset`` (for ``sampler: bucket``), if it declares them.
+
+    Known for a dataset with a ``lengths()`` method (or a ``lengths`` array), and for a
+    ``Subset`` (a ``val_fraction`` split) or ``CachedDataset`` of one: their lengths are
+    the wrapped dataset's, taken at their indices, so no sample is read again.
+
+    Returns:
+        The lengths as the dataset gives them (checked by the sampler), or None.
+    """
+    return _per_sample(dataset, _own_lengths)
+
+
+def origin_indices(dataset: Dataset, whole: int) -> torch.Tensor | None:
+    """Which samples of an ``whole``-sample dataset ``dataset`` holds, if it is a part of one.
+
+    Follows ``Subset``s, ``CachedDataset``s and :meth:`ArrayDataset.subset` parts (what
+    ``val_fraction`` makes) up to a dataset of ``whole`` samples, so a per-sample value
+    given for the whole data (``loader.weights``) can be taken for the training part.
+
+    Returns:
+        ``len(dataset)`` indices into that dataset, or None when ``dataset`` is not part
+        of one with ``whole`` samples.
+    """
+    indices: torch.Tensor | None = None
+    current: Dataset | None = dataset
+    while current is not None:
+        if isinstance(current, ArrayDataset):
+            if current._origin is None:
+                return None
+            length, step = current._origin
+            current = None
+        else:
+            inner = _wrapped(current)
+            if inner is None:
+                return None
+            current, step = inner
+            if step is None:
+                continue
+            length = len(current)  # type: ignore[arg-type]
+        indices = step if indices is None else step[indices]
+        if length == whole:
+            return indices
+    return None
+
+
+def origin_lengths(dataset: Dataset) -> list[int]:
+    """The sample counts of the datasets ``dataset`` is a part of, nearest first.
+
+    Empty for a dataset that is no ``Subset`` or ``val_fraction`` part; used to name,
+    in a message, the lengths a per-sample value could have been given for.
+    """
+    lengths: list[int] = []
+    current: Dataset | None = dataset
+    while current is not None:
+        if isinstance(current, ArrayDataset):
+            if current._origin is not None:
+                lengths.append(current._origin[0])
+            return lengths
+        inner = _wrapped(current)
+        if inner is None:
+            return lengths
+        current = inner[0]
+        if inner[1] is not None:
+            lengths.append(len(current))  # type: ignore[arg-type]
+    return lengths
+
+
+def innermost(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None, str]:
+    """The dataset under any ``Subset``/``CachedDataset`` wrappers, and how to reach it.
+
+    Returns:
+        ``(inner, indices, name)``: the wrapped dataset; the indices into it of
+        ``dataset``'s samples (None when they are the same); and a name for messages
+        that says what the user gave, e.g. ``Subset of TextListDataset`` for the
+        training part of a ``val_fraction`` split.
+    """
+    names = []
+    indices: torch.Tensor | None = None
+    while (inner := _wrapped(dataset)) is not None:
+        names.append(type(dataset).__name__)
+        dataset, step = inner
+        if step is not None:
+            indices = step if indices is None else step[indices]
+    names.append(type(dataset).__name__)
+    return dataset, indices, " of ".join(names)

@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from stoker.data.samplers import _RANK_STREAM, EpochOrderSampler, _generator, rank_slice
+from stoker.data.sources import dataset_targets, innermost, origin_indices, origin_lengths
 from stoker.errors import ConfigError, DataError
 
-__all__ = ["EpochWeightedSampler", "balanced_weights"]
+__all__ = ["EpochWeightedSampler", "balanced_weights", "weighted_sampler_for"]
 
 
 def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
@@ -181,3 +183,91 @@ def balanced_weights(targets: torch.Tensor | np.ndarray | Sequence[Any]) -> torc
     _, inverse, counts = torch.unique(t.cpu(), return_inverse=True, return_counts=True)
     weights = 1.0 / counts.to(torch.float64)
     return weights[inverse]
+
+
+def _labels_hint(dataset: Dataset) -> str:
+    """How to make ``weights=balanced`` work for ``dataset``, whose labels are unknown."""
+    inner, _, _ = innermost(dataset)
+    kind = type(inner).__name__
+    if type(inner).__module__.startswith("stoker."):
+        # stoker's own source keeps no label column apart from its samples (JSONL, CSV).
+        return (
+            f"{kind} does not hold its labels apart from the samples: set loader.weights "
+            "to one weight per sample (in Python: weights=balanced_weights(labels))"
+        )
+    return (
+        f"give {kind} a `targets` attribute with one class id per sample (e.g. "
+        "`self.targets = torch.tensor(labels)` in __init__), or set loader.weights to one "
+        "weight per sample"
+    )
+
+
+def _sample_weights(dataset: Dataset, weights: Any) -> torch.Tensor:
+    """``weights`` for the samples of ``dataset``, taken from weights given for the whole.
+
+    With ``data.val_fraction`` the loader reads the training part of a split, while the
+    weights were written for the data as given: one per sample of the whole, mapped
+    through the part's indices. Weights with one entry per sample of the part are used
+    as they are.
+    """
+    w = _validate_weights(weights, None)
+    count = len(dataset)  # type: ignore[arg-type]
+    if w.numel() == count:
+        return w
+    indices = origin_indices(dataset, w.numel())
+    if indices is not None:
+        return w[indices]
+    wholes = origin_lengths(dataset)
+    given = f"{count} samples" + (
+        f" (split from {wholes[-1]} by data.val_fraction)" if wholes else ""
+    )
+    fix = f"{wholes[-1]} (one per sample of data.train) or {count}" if wholes else f"{count}"
+    raise DataError(
+        f"loader.weights has {w.numel()} entries, but the training data has {given}; "
+        "expected one weight per sample.",
+        hint=f"give {fix} weights, in the order of the samples",
+    )
+
+
+def weighted_sampler_for(
+    dataset: Dataset, weights: Any, *, num_samples: int | None, seed: int
+) -> EpochWeightedSampler:
+    """The weighted sampler of ``loader.weights`` over ``dataset``.
+
+    Args:
+        dataset: The map-style dataset the loader reads (maybe the training part of a
+            ``val_fraction`` split).
+        weights: ``"balanced"`` (1 / count of the sample's class, from the labels the
+            dataset knows without reading its samples), or one weight per sample of
+            ``dataset`` or of the whole data it was split from.
+        num_samples: Draws per epoch; defaults to one per sample.
+        seed: Base seed of the draws.
+
+    Raises:
+        ConfigError: ``weights`` is a string other than ``balanced``.
+        DataError: Unknown labels for ``balanced``, or weights that do not fit.
+    """
+    if isinstance(weights, str):
+        if weights != "balanced":
+            raise ConfigError(
+                f"loader.weights={weights!r} is not understood; expected 'balanced' or one "
+                "weight per sample.",
+                hint="set loader.weights=balanced, or give a list of weights, one per sample",
+            )
+        targets = dataset_targets(dataset)
+        if targets is None:
+            _, _, name = innermost(dataset)
+            raise DataError(
+                f"loader.weights=balanced needs the labels of {name}, but they are not "
+                "known without reading every sample.",
+                hint=_labels_hint(dataset),
+            )
+        weights = balanced_weights(targets)
+    else:
+        weights = _sample_weights(dataset, weights)
+    return EpochWeightedSampler(
+        weights,
+        num_samples=num_samples,
+        seed=seed,
+        dataset_len=len(dataset),  # type: ignore[arg-type]
+    )
