@@ -497,6 +497,9 @@ def run(loop: Loop) -> list[dict[str, Any]]:
                     ignore_index=_ignored(loop),
                 )
             )
+        bad_records = getattr(loop.train_loader, "bad_records", None)
+        if bad_records is not None and bad_records.total:  # data.bad_records=skip met some
+            record["data/bad_records"] = bad_records.total  # distinct, train and val
         record["step"] = state.step
         update_monitor(loop, record)
         loop.sink.log(record)

@@ -184,6 +184,9 @@ def _train_run(
         max_consecutive=config.data.max_consecutive_bad_records,
     )
     train_loader.bad_records = bad_records
+    if val_loader is not None:
+        # One file and one count: a record is logged once, whichever split it is in.
+        val_loader.bad_records = bad_records.for_split("val")
     parts = ResumableParts(
         model=model,
         optimizer=optimizer,
@@ -332,6 +335,8 @@ def _train_run(
         summary = _write_summary(loop, run_dir)
         for line in summary_lines(summary):
             view.message(line)
+        if skipped := summary.get("data", {}).get("bad_records"):
+            view.message(f"skipped {skipped} bad record(s): {run_dir / 'bad_records.jsonl'}")
         write_report(run_dir)
         _say_where(view, run_dir, resume_hint)
     view.close()
@@ -389,6 +394,8 @@ def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
         device_type=loop.device.type,
         samples_per_s=samples_per_s,
     )
+    if skipped := loop.train_loader.bad_records.total:  # distinct records, train and val
+        summary["data"] = {"bad_records": skipped}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -152,3 +152,64 @@ def test_filtered_batches_are_pinned(dataset: Dataset) -> None:
     batches = list(loader)
     assert [b[1].tolist() for b in batches] == [[0, 2, 3], [4, 5, 6, 7]]
     assert all(b[0].is_pinned() for b in batches)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bad_record_is_logged_once_per_run(
+    tmp_path: Path, num_workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    loader = build_loader(
+        Flaky(12, broken={3, 8}), batch_size=4, shuffle=True, num_workers=num_workers
+    )
+    loader.bad_records = BadRecordLog(tmp_path / "bad_records.jsonl")
+    with caplog.at_level("WARNING", logger="stoker"):
+        for _ in range(3):
+            assert sorted(ids(loader)) == [i for i in range(12) if i not in (3, 8)]
+    logged = lines(tmp_path / "bad_records.jsonl")
+    assert sorted(r["location"] for r in logged) == ["index 3", "index 8"]
+    assert {r["split"] for r in logged} == {"train"}
+    assert loader.bad_records.total == 2
+    said = [r.getMessage() for r in caplog.records if "bad record" in r.getMessage()]
+    assert sorted(said) == [
+        "skipped bad record (train): mem, index 3: sample 3 is broken",
+        "skipped bad record (train): mem, index 8: sample 8 is broken",
+    ]
+
+
+def test_train_and_val_share_one_file_and_one_count(tmp_path: Path) -> None:
+    train = BadRecordLog(tmp_path / "bad_records.jsonl", max_total=2)
+    val = train.for_split("val")
+    train.record_bad([bad(1)])
+    val.record_bad([bad(5)])
+    val.record_bad([bad(5), bad(1)])  # met again, by either split: not new
+    assert train.total == val.total == 2
+    assert [(r["location"], r["split"]) for r in lines(tmp_path / "bad_records.jsonl")] == [
+        ("index 1", "train"),
+        ("index 5", "val"),
+    ]
+    with pytest.raises(DataError, match="3 bad records skipped"):
+        val.record_bad([bad(9)])  # the limit counts both splits
+
+
+def test_a_resumed_run_writes_no_record_twice(tmp_path: Path) -> None:
+    path = tmp_path / "bad_records.jsonl"
+    log = BadRecordLog(path)
+    log.record_bad([bad(1), bad(2)])
+    state = log.state_dict()
+    assert state == {"total": 2, "consecutive": 2, "seen": [["mem", "index 1"], ["mem", "index 2"]]}
+    log.record_bad([bad(3)])  # written after the checkpoint; then killed mid-line
+    with path.open("a") as stream:
+        stream.write('{"source": "mem", "loc')
+    resumed = BadRecordLog(path)
+    resumed.load_state_dict(state)
+    assert resumed.total == 3
+    resumed.record_bad([bad(1), bad(3), bad(4)])
+    assert [r["location"] for r in lines(path)] == ["index 1", "index 2", "index 3", "index 4"]
+    # A checkpoint from before records were named in the state keeps its count.
+    old = BadRecordLog(None)
+    old.load_state_dict({"total": 5, "consecutive": 0})
+    assert old.total == 5
