@@ -3,7 +3,14 @@
 from stoker.config import RunConfig, load_config
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.sources import ArrayDataset, split_dataset
-from stoker.errors import CheckpointError, ConfigError, DataError, StokerError, TrainingError
+from stoker.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ModelError,
+    StokerError,
+    TrainingError,
+)
 from stoker.train.api import fit
 from stoker.train.session import FitResult, train_run
 
@@ -16,6 +23,7 @@ __all__ = [
     "DataError",
     "EpochLoader",
     "FitResult",
+    "ModelError",
     "RunConfig",
     "StokerError",
     "TrainingError",

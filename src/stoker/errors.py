@@ -37,6 +37,32 @@ class CheckpointError(StokerError):
     """A checkpoint cannot be written, found, verified or loaded safely."""
 
 
+class ModelError(StokerError):
+    """The user's model failed in its forward: which module, on what input, and the fix.
+
+    ``module`` is the failing module's qualified name (``model.encoder.0``), or None when
+    it could not be found; ``field``, ``expected`` and ``got`` name the first setting of
+    that module the input does not fit (``in_features``, 20, 64), so a caller that knows
+    the run config can point the hint at the config key holding it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        module: str | None = None,
+        field: str | None = None,
+        expected: object = None,
+        got: object = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.module = module
+        self.field = field
+        self.expected = expected
+        self.got = got
+
+
 class TrainingError(StokerError):
     """Training cannot continue (a non-finite loss, a diverged run)."""
 

@@ -79,7 +79,7 @@ def test_halt_is_the_default_and_names_the_step_and_first_bad_parameter(
     with pytest.raises(TrainingError) as info:
         stoker.fit(model, (x, y), loss=PoisonedLoss({3}), run_dir=tmp_path / "run", **OPTIONS)
     text = str(info.value)
-    assert text.startswith("non-finite loss at step 3 (epoch 0): loss=nan")
+    assert text.startswith("non-finite loss at step 3 (epoch 1): loss=nan")
     assert "first parameter with a non-finite gradient: 0.weight" in text
     assert "fix: lower optim.lr" in text
 
@@ -94,7 +94,7 @@ def test_a_bad_gradient_is_named_before_clipping_smears_it(
     with pytest.raises(TrainingError) as info:
         stoker.fit(model, (x, y), clip_grad_norm=1.0, run_dir=tmp_path / "run", **OPTIONS)
     text = str(info.value)
-    assert text.startswith("non-finite gradient at step 2 (epoch 0): loss=")
+    assert text.startswith("non-finite gradient at step 2 (epoch 1): loss=")
     assert "first parameter with a non-finite gradient: 2.bias" in text
 
 
@@ -187,9 +187,9 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
     assert metrics.compute("train")["train/loss"] == first_loss
     assert (window.steps, window.losses) == (2, 1)
     assert loop.sink.records == [
-        {"epoch": 0, "step": 2, "numerics/skipped": "loss", "numerics/skipped_steps": 1}
+        {"epoch": 1, "step": 2, "numerics/skipped": "loss", "numerics/skipped_steps": 1}
     ]
-    assert loop.progress.lines[0].startswith("warning: non-finite loss at step 2 (epoch 0)")
+    assert loop.progress.lines[0].startswith("warning: non-finite loss at step 2 (epoch 1)")
     assert "skipped the step (1 of at most 10" in loop.progress.lines[0]
 
     train_step(loop, batches, metrics, window)  # training goes on
@@ -232,7 +232,7 @@ def test_skip_limit_stops_the_run_naming_the_limit_and_the_steps(
             **OPTIONS,
         )
     text = str(info.value)
-    assert text.startswith("non-finite loss at step 7 (epoch 0)")
+    assert text.startswith("non-finite loss at step 7 (epoch 1)")
     assert "already skipped 3 steps (train.max_skipped_steps=3): steps 4, 5, 6" in text
     assert "raise train.max_skipped_steps" in text
 
@@ -283,7 +283,7 @@ def test_rollback_restores_the_checkpoint_and_goes_on_after_the_bad_batch(
     assert (record["step"], record["numerics/rollbacks"]) == (6, 1)
     event = [r for r in records(rolled.run_dir) if "numerics/rolled_back_to_step" in r]
     assert event == [
-        {"epoch": 0, "step": 6, "numerics/rolled_back_to_step": 4, "numerics/rollbacks": 1}
+        {"epoch": 1, "step": 6, "numerics/rolled_back_to_step": 4, "numerics/rollbacks": 1}
     ]
     # The epoch's metrics cover the steps kept: 6 batches of 32.
     assert rolled.metrics["train/loss"] == pytest.approx(reference.metrics["train/loss"])
@@ -304,7 +304,7 @@ def test_rollback_limit_stops_the_run(tmp_path, toy_classification, mlp_factory)
         )
     text = str(info.value)
     # Back to step 2 twice; the third fault (again step 3, counted from the checkpoint) stops.
-    assert text.startswith("non-finite loss at step 3 (epoch 0)")
+    assert text.startswith("non-finite loss at step 3 (epoch 1)")
     assert "already rolled back 2 times (train.max_rollbacks=2), at steps 3, 3" in text
 
 
@@ -438,7 +438,7 @@ def test_cli_halts_with_exit_code_1_and_skips_when_asked(tmp_path) -> None:
     config = _cli_config(tmp_path, nan_at=100)  # sample 100: batch 4
     halted = _stoker("train", str(config), "--run-dir", str(tmp_path / "halt"), "--quiet")
     assert halted.returncode == 1
-    assert "stoker: error: non-finite loss at step 4 (epoch 0)" in halted.stderr
+    assert "stoker: error: non-finite loss at step 4 (epoch 1)" in halted.stderr
     skipped = _stoker(
         "train",
         str(config),

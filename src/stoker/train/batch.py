@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stoker.errors import DataError
+from stoker.errors import DataError, StokerError
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -36,10 +36,23 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
 
 
 def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
-    """Call the model: a dict of inputs as keyword arguments, anything else as one argument."""
-    if type(inputs) is not torch.Tensor and isinstance(inputs, Mapping):
-        return model(**inputs)
-    return model(inputs)
+    """Call the model: a dict of inputs as keyword arguments, anything else as one argument.
+
+    Raises:
+        ModelError: The model raised; the error names the module that failed, the input
+            it got, what it expects and the fix, and has the original as its cause. The
+            ``try`` costs nothing until something is raised (no hooks are installed).
+    """
+    try:
+        if type(inputs) is not torch.Tensor and isinstance(inputs, Mapping):
+            return model(**inputs)
+        return model(inputs)
+    except (StokerError, torch.OutOfMemoryError):
+        raise  # already for people, or not the model's bug (the batch is too large)
+    except Exception as error:
+        from stoker.train.model_errors import explain_model_failure  # only on this path
+
+        raise explain_model_failure(error, model, inputs) from error
 
 
 def batch_size_of(targets: Any) -> int:

@@ -292,7 +292,7 @@ def _update(
     if sampled:
         loop.timer.close_step()  # the update ratios below are measuring, not training
         if health_record := loop.health.after_step(loop.model):
-            loop.sink.log({"epoch": state.epoch, "step": state.step + 1, **health_record})
+            loop.sink.log({"epoch": state.epoch_number, "step": state.step + 1, **health_record})
 
     # 9. Record, on the device; read only every `log_every_steps`.
     state.step += 1
@@ -361,7 +361,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         loop.numerics.keep(metrics)
     started = time.perf_counter()
     loop.progress.start_epoch(
-        state.epoch + 1, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
+        state.epoch_number, epochs=loop.epochs, total_steps=_steps_per_epoch(loop)
     )
     # On CUDA the next batch is copied on a side stream while this one computes.
     batches = iter(loop.prefetcher.wrap(loop.train_loader))
@@ -393,7 +393,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         if stop.requested:  # AgreedStop (distributed) has its own `requested`
             raise TrainingInterrupted(
                 f"stopped by {stop.signal_name} after step {state.step} "
-                f"(epoch {state.epoch + 1}, batch {consumed})"
+                f"(epoch {state.epoch_number}, batch {consumed})"
                 + ("; checkpoint saved" if loop.on_step_checkpoint else "; no checkpoint"),
                 hint="resume with --resume RUN_DIR (the run dir printed above)",
             )
@@ -460,7 +460,7 @@ def _record_window(loop: Loop, window: StepWindow) -> None:
     world = rank_and_world_size()[1]
     elapsed = time.perf_counter() - window.started
     samples_per_s = window.samples * world / elapsed if elapsed > 0 else 0.0
-    record: dict[str, Any] = {"epoch": loop.state.epoch, "step": loop.state.step}
+    record: dict[str, Any] = {"epoch": loop.state.epoch_number, "step": loop.state.step}
     loss = None
     if window.losses:
         loss_sum = window.loss  # a new tensor: the all-reduce may change it in place
@@ -480,7 +480,8 @@ def run(loop: Loop) -> list[dict[str, Any]]:
     """Train until the epochs or steps run out or early stopping fires; returns the history."""
     state = loop.state
     while not loop.finished() and not loop.stopped_early:
-        record: dict[str, Any] = {"epoch": state.epoch}
+        # Records, messages and progress all number epochs from 1 (TrainState.epoch_number).
+        record: dict[str, Any] = {"epoch": state.epoch_number}
         try:
             record.update(train_epoch(loop))
         except RolledBack:
@@ -503,7 +504,7 @@ def run(loop: Loop) -> list[dict[str, Any]]:
         record["step"] = state.step
         update_monitor(loop, record)
         loop.sink.log(record)
-        loop.progress.end_epoch(state.epoch + 1, record)
+        loop.progress.end_epoch(record["epoch"], record)
         loop.history.append(record)
         state.epoch += 1
         loop.on_epoch_end(loop, record)

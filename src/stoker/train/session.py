@@ -44,6 +44,7 @@ from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
 from stoker.train.metrics import Task
+from stoker.train.model_errors import config_hints
 from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
@@ -62,11 +63,14 @@ class FitResult:
 
     Attributes:
         metrics: The last epoch's record (``train/loss``, ``val/accuracy``, ...).
-        history: One record per epoch, oldest first (including epochs before a resume).
+        history: One record per epoch, oldest first (including epochs before a resume);
+            each record's ``epoch`` counts from 1, as the progress lines do.
         run_dir: The folder the run wrote.
         model: The trained model (the plain module, not a compiled wrapper).
-        best_value: The best value of the monitored metric, and ``best_epoch`` its epoch.
-        stopped_early: Whether early stopping ended the run.
+        best_value: The best value of the monitored metric, and ``best_epoch`` its epoch
+            (from 1: the ``epoch`` of that record in ``history``).
+        stopped_early: Whether early stopping ended the run before its last epoch
+            (patience running out in the last epoch is no early stop).
     """
 
     metrics: dict[str, Any]
@@ -102,7 +106,10 @@ def train_run(
 
     Under torchrun every rank calls this; rank 0 prints, tracks and writes checkpoints.
     """
-    with distributed_run(config.distributed, device_name=config.train.device) as dist:
+    # A failing model's error points at the config key that sizes the failing layer.
+    own = {"user_model": user.model is not None, "user_data": user.train_data is not None}
+    hints = config_hints(config, **own)
+    with hints, distributed_run(config.distributed, device_name=config.train.device) as dist:
         return _train_run(
             config,
             dist,
@@ -231,7 +238,8 @@ def _train_run(
     if dist.info.restart_count:
         view.message(f"restarted by torchrun (restart {dist.info.restart_count})")
     if bundle is not None:
-        where = f"in epoch {state.epoch + 1}" if in_epoch else f"after epoch {state.epoch}"
+        # state.epoch counts finished epochs: the last one's number, from 1.
+        where = f"in epoch {state.epoch_number}" if in_epoch else f"after epoch {state.epoch}"
         view.message(f"resuming {run_dir} {where} (step {state.step})")
     elif resume is not None:
         view.message(f"{run_dir} has no checkpoint yet: starting it from the beginning")
@@ -258,7 +266,7 @@ def _train_run(
 
     def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
         # Not a candidate for best: there are no validation metrics mid-epoch.
-        save(loop, epoch=state.epoch, metrics=None, in_epoch=progress_in_epoch)
+        save(loop, epoch=state.epoch_number, metrics=None, in_epoch=progress_in_epoch)
 
     stop: Any = AgreedStop() if dist.enabled else None
     timer = PhaseTimer(device)
@@ -383,7 +391,12 @@ def _check_resume_config(
 
 
 def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
-    """The run's verdict and phase table, to ``summary.json`` (the report shows it)."""
+    """The run's verdict, phase table and epochs, to ``summary.json`` (the report shows it).
+
+    ``training`` holds the epochs as the loop counted them (from 1, as in the records),
+    so the report names the best epoch the monitor chose (``min_delta`` and all) and
+    whether early stopping ended the run, rather than working them out again.
+    """
     stats = loop.timer.summary(whole_run=True)
     samples_per_s = 0.0
     if stats:
@@ -394,6 +407,16 @@ def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
         device_type=loop.device.type,
         samples_per_s=samples_per_s,
     )
+    state, monitor = loop.state, loop.monitor
+    summary["training"] = {
+        "epochs_done": state.epoch,  # a count of finished epochs: the last one's number
+        "epochs": loop.epochs,
+        "stopped_early": loop.stopped_early,
+        "monitor": monitor.metric,
+        "mode": monitor.mode,
+        "best_value": state.best_value,
+        "best_epoch": state.best_epoch,
+    }
     if skipped := loop.train_loader.bad_records.total:  # distinct records, train and val
         summary["data"] = {"bad_records": skipped}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
