@@ -85,7 +85,7 @@ def main(
     )
     print(f"\n{'epoch':>5} " + " ".join(f"{key:>14}" for key in TRACKED))
     for record in result.history:
-        print(f"{record['epoch'] + 1:>5} " + " ".join(f"{record[k]:>14.4f}" for k in TRACKED))
+        print(f"{record['epoch']:>5} " + " ".join(f"{record[k]:>14.4f}" for k in TRACKED))
 
     # Checkpointing: load the newest checkpoint into a fresh model, as a restart would.
     checkpoint = find_latest(result.run_dir)
@@ -97,7 +97,7 @@ def main(
     with torch.inference_mode():
         trained = result.model.cpu()(probe)
         same = torch.allclose(restored(probe), trained, atol=1e-6)
-    print(f"best val/accuracy {result.best_value:.4f} at epoch {(result.best_epoch or 0) + 1}")
+    print(f"best val/accuracy {result.best_value:.4f} at epoch {result.best_epoch}")
     print(f"checkpoint {checkpoint.relative_to(result.run_dir)} restores the model: {same}")
     return {
         "history": [{key: record[key] for key in TRACKED} for record in result.history],

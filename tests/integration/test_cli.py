@@ -72,7 +72,7 @@ def test_resume_continues_the_run(tmp_path: Path) -> None:
     assert "resuming" in second.stdout and "epoch 2/2" in second.stdout
     assert "epoch 1/2" not in second.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    assert [r["epoch"] for r in records if "val/loss" in r] == [0, 1]
+    assert [r["epoch"] for r in records if "val/loss" in r] == [1, 2]
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,9 @@ _PLACEHOLDER = "-"
 class Progress(Protocol):
     """Reports a run's progress to the user.
 
-    ``epoch`` is the number shown to the user (``epoch 3/10``), so callers pass it 1-based.
+    ``epoch`` is the number shown to the user (``epoch 3/10``): the epoch record's own
+    ``epoch``, which counts from 1 (``stoker.train.state.epoch_number``), so that this
+    line, the messages, ``metrics.jsonl`` and the report name the same epoch.
     """
 
     def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:

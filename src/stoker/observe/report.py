@@ -24,6 +24,7 @@ from stoker.observe.report_charts import (
     format_number,
     phase_chart,
 )
+from stoker.observe.report_epochs import best_label, epochs_done_label, read_training
 
 __all__ = [
     "MetricsLog",
@@ -166,7 +167,7 @@ def render_report(run_dir: str | os.PathLike[str]) -> str:
     name = str(config.get("name") or run_dir.name) if isinstance(config, dict) else run_dir.name
     environment = collect_environment()
     sections = [
-        _status_section(run_dir, config, metrics),
+        _status_section(run_dir, config, metrics, read_training(run_dir / "summary.json")),
         _summary_section(run_dir / "summary.json"),
         _phase_section(metrics),
         _charts_section(metrics),
@@ -221,19 +222,19 @@ def _read_config(path: Path) -> tuple[str | None, Any]:
         return text, None
 
 
-def _status_section(run_dir: Path, config: Any, metrics: MetricsLog) -> str:
+def _status_section(
+    run_dir: Path, config: Any, metrics: MetricsLog, training: Mapping[str, Any] | None
+) -> str:
     train = config.get("train", {}) if isinstance(config, dict) else {}
     train = train if isinstance(train, dict) else {}
     epochs = metrics.epoch_records
     steps = [r["step"] for r in (*metrics.step_records, *epochs)]
-    planned = train.get("epochs")
-    done = f"{len(epochs)} of {planned}" if isinstance(planned, int) else str(len(epochs))
     rows: list[tuple[str, Any]] = [
         ("run dir", str(run_dir.resolve())),
-        ("epochs done", done),
+        ("epochs done", epochs_done_label(train, epochs, training)),
         ("optimizer steps", int(max(steps)) if steps else 0),
     ]
-    metric, best = _best_label(train, epochs)
+    metric, best = best_label(train, epochs, training)
     rows.append((f"best {metric}", best))
     parts = [_table(rows)]
     if epochs:
@@ -248,22 +249,6 @@ def _status_section(run_dir: Path, config: Any, metrics: MetricsLog) -> str:
         )
     parts.extend(_warnings(metrics))
     return _section("status", "Status", "".join(parts))
-
-
-def _best_label(train: Mapping[str, Any], epochs: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """The monitored metric and its best epoch, chosen the way the training loop chooses."""
-    has_val = any(key.startswith("val/") for r in epochs for key in r)
-    metric = train.get("monitor") or ("val/loss" if has_val else "train/loss")
-    mode = train.get("monitor_mode") or "auto"
-    if mode == "auto":
-        mode = "max" if "accuracy" in str(metric) else "min"
-    candidates = [(v, r) for r in epochs if (v := finite(r.get(metric))) is not None]
-    if not candidates:
-        return str(metric), "not recorded"
-    pick = max if mode == "max" else min
-    value, record = pick(candidates, key=lambda c: c[0])
-    where = f"epoch {epoch_label(record)}, step {format_number(record['step'])}"
-    return f"{metric} ({mode})", f"{format_number(value)} at {where}"
 
 
 def _warnings(metrics: MetricsLog) -> list[str]:
@@ -309,7 +294,9 @@ def _summary_section(path: Path) -> str:
         parts.append(f'<p class="verdict">verdict: <strong>{_cell(data["verdict"])}</strong></p>')
     if "recommendation" in data:
         parts.append(f'<p class="recommendation">{_cell(data["recommendation"])}</p>')
-    rest = {k: v for k, v in data.items() if k not in ("verdict", "recommendation")}
+    # "training" (epochs, best, early stopping) is shown in the status section.
+    shown_elsewhere = ("verdict", "recommendation", "training")
+    rest = {k: v for k, v in data.items() if k not in shown_elsewhere}
     scalars = [(k, v) for k, v in rest.items() if not isinstance(v, dict | list)]
     if scalars:
         parts.append(_table(scalars, header=("figure", "value")))

@@ -70,9 +70,9 @@ def format_number(value: float) -> str:
 
 
 def epoch_label(record: Record) -> str:
-    """The epoch of a record as people count it: records count from 0, progress from 1."""
+    """The epoch of a record, as written: records number epochs from 1, as progress does."""
     epoch = record.get("epoch")
-    return str(epoch + 1) if isinstance(epoch, int) and not isinstance(epoch, bool) else "?"
+    return str(epoch) if isinstance(epoch, int) and not isinstance(epoch, bool) else "?"
 
 
 def nice_ticks(low: float, high: float, *, count: int = 5) -> list[float]:
@@ -108,6 +108,8 @@ class Line:
         points: ``(step, value)`` pairs in step order; ``None`` marks a non-finite value.
         color: A CSS color.
         dashed: Draw the line dashed.
+        epochs: The epoch of each point (``epoch_label``), named in its tooltip; empty
+            for a series whose tooltips name the step alone.
     """
 
     key: str
@@ -116,6 +118,7 @@ class Line:
     points: Sequence[Point]
     color: str
     dashed: bool = False
+    epochs: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -265,12 +268,14 @@ def _series(line: Line, x: _Scale, y: _Scale, *, top: float) -> str:
     pen_down = False
     many = sum(v is not None for _, v in line.points) > _MAX_MARKERS
     for index, (step, value) in enumerate(line.points):
+        where = f"step {format_number(step)}"
+        if line.epochs:
+            where = f"epoch {escape(line.epochs[index])} ({where})"
         if value is None:
             pen_down = False
             crosses.append(
-                f'<g class="nonfinite" data-nonfinite-for="{key}"><title>step '
-                f"{format_number(step)}: {key} not finite (NaN/inf)</title>"
-                f"{_cross(x(step), top + 5)}</g>"
+                f'<g class="nonfinite" data-nonfinite-for="{key}"><title>{where}: '
+                f"{key} not finite (NaN/inf)</title>{_cross(x(step), top + 5)}</g>"
             )
             continue
         px, py = x(step), y(value)
@@ -278,7 +283,7 @@ def _series(line: Line, x: _Scale, y: _Scale, *, top: float) -> str:
         following = line.points[index + 1][1] if index + 1 < len(line.points) else None
         if not many or (not pen_down and following is None):
             markers.append(
-                f'<circle cx="{px:.2f}" cy="{py:.2f}" r="3"><title>step {format_number(step)}: '
+                f'<circle cx="{px:.2f}" cy="{py:.2f}" r="3"><title>{where}: '
                 f"{escape(line.label)} = {format_number(value)}</title></circle>"
             )
         pen_down = True
@@ -385,19 +390,25 @@ def _numeric(records: Sequence[Record], key: str) -> bool:
 
 
 def _line(key: str, level: str, records: Sequence[Record], color: str, **style: bool) -> Line:
-    """The series of ``key`` in ``records``, thinned to about ``MAX_POINTS`` points."""
-    points = [(float(r["step"]), finite(r[key])) for r in records if key in r]
+    """The series of ``key`` in ``records``, thinned to about ``MAX_POINTS`` points.
+
+    Points of epoch records name their epoch in the tooltip, as the phase chart does.
+    """
+    having = [r for r in records if key in r]
+    points = [(float(r["step"]), finite(r[key])) for r in having]
     label = f"{key} ({'per logged step' if level == 'step' else 'per epoch'}"
     if len(points) > MAX_POINTS:
         stride = math.ceil(len(points) / MAX_POINTS)
         # Non-finite points are kept: they are few and they are what a reader looks for.
-        points = [
-            p
+        kept = [
+            i
             for i, p in enumerate(points)
             if i % stride == 0 or p[1] is None or i == len(points) - 1
         ]
+        points, having = [points[i] for i in kept], [having[i] for i in kept]
         label += f", 1 point in {stride} shown"
-    return Line(key, level, label + ")", points, color, **style)
+    epochs = [epoch_label(r) for r in having] if level == "epoch" else []
+    return Line(key, level, label + ")", points, color, epochs=epochs, **style)
 
 
 def curve_charts(step_records: Sequence[Record], epoch_records: Sequence[Record]) -> list[str]:

@@ -32,8 +32,12 @@ class Monitor:
 
 
 def update_monitor(loop: Loop, record: dict[str, Any]) -> None:
-    """After an epoch: note whether its monitored metric is the best yet, and ask for an
-    early stop after ``patience`` epochs without one."""
+    """After an epoch: note whether its monitored metric is the best yet, and stop early
+    after ``patience`` epochs without one — when there is an epoch left to skip.
+
+    Patience that runs out with the last epoch (of ``train.epochs``, or at
+    ``train.max_steps``) ends the run as planned: it is no early stop, and says nothing.
+    """
     state, monitor = loop.state, loop.monitor
     if monitor.metric not in record:
         raise TrainingError(
@@ -43,13 +47,22 @@ def update_monitor(loop: Loop, record: dict[str, Any]) -> None:
         )
     value = float(record[monitor.metric])
     if monitor.improved(value, state.best_value):
-        state.best_value, state.best_epoch = value, state.epoch
+        state.best_value, state.best_epoch = value, state.epoch_number
         state.epochs_without_improvement = 0
     else:
         state.epochs_without_improvement += 1
-    if monitor.patience is not None and state.epochs_without_improvement >= monitor.patience:
-        loop.stopped_early = True
-        loop.progress.message(
-            f"early stopping: {monitor.metric} has not improved for {monitor.patience} "
-            f"epochs (best {state.best_value:.4f} at epoch {state.best_epoch})"
-        )
+    if monitor.patience is None or state.epochs_without_improvement < monitor.patience:
+        return
+    # state.epoch still counts this epoch as unfinished: epochs left after it, or none.
+    if state.epoch_number >= loop.epochs or loop.out_of_steps():
+        return
+    loop.stopped_early = True
+    best = (
+        "no finite value yet"  # every value so far was NaN
+        if state.best_value is None
+        else f"best {state.best_value:.4f} at epoch {state.best_epoch}"
+    )
+    loop.progress.message(
+        f"early stopping after epoch {state.epoch_number} of {loop.epochs}: "
+        f"{monitor.metric} has not improved for {monitor.patience} epochs ({best})"
+    )

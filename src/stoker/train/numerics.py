@@ -121,7 +121,11 @@ def describe_fault(
 
 @dataclass(frozen=True)
 class Fault:
-    """One step whose loss or gradients were not finite, described for people."""
+    """One step whose loss or gradients were not finite, described for people.
+
+    ``step`` is the optimizer step it would have been and ``epoch`` the epoch it was in,
+    both counted from 1 as the progress lines count them.
+    """
 
     step: int
     epoch: int
@@ -360,7 +364,7 @@ def check_step(
         return "overflow"  # fp16: expected now and then; the scaler skips the step
     state = loop.state
     fault = describe_fault(
-        loop.model, step_loss, step=state.step + 1, epoch=state.epoch, loss_ok=loss_ok
+        loop.model, step_loss, step=state.step + 1, epoch=state.epoch_number, loss_ok=loss_ok
     )
     if guard.policy == "halt":
         raise guard.halt(fault)
@@ -370,7 +374,7 @@ def check_step(
     guard.restore(metrics)  # the skipped step's loss and predictions do not count
     loop.sink.log(
         {
-            "epoch": state.epoch,
+            "epoch": state.epoch_number,
             "step": fault.step,
             "numerics/skipped": fault.what,
             "numerics/skipped_steps": len(guard.skipped_steps),
@@ -410,14 +414,14 @@ def roll_back(loop: Loop, fault: Fault, *, batches: int) -> None:
     loop.optimizer.zero_grad(set_to_none=True)
     loop.history = restored.history
     progress = restored.in_epoch
-    if loop.state.epoch == fault.epoch:
+    if loop.state.epoch_number == fault.epoch:
         progress = dict(progress) if progress else _fresh_progress(loop)
         progress["batches"] = batches
         loader = loop.train_loader
         loader.load_state_dict(loader.state_dict(batches_consumed=batches))
-        where = f"going on with batch {batches + 1} of epoch {fault.epoch + 1}"
+        where = f"going on with batch {batches + 1} of epoch {fault.epoch}"
     else:
-        where = f"training again from epoch {loop.state.epoch + 1}"
+        where = f"training again from epoch {loop.state.epoch_number}"
     loop.resume_in_epoch = progress
     loop.sink.log(
         {

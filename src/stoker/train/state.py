@@ -10,12 +10,25 @@ import numpy as np
 import torch
 
 
+def epoch_number(epochs_done: int) -> int:
+    """The number people read for the epoch after ``epochs_done`` finished ones.
+
+    Epochs count from 1 wherever a user reads them: progress lines, messages, records
+    (``FitResult.history``, ``metrics.jsonl``), checkpoints' ``epoch``, ``best_epoch``,
+    ``summary.json`` and the report. The counter stays a count of finished epochs (the
+    0-based index that ``set_epoch`` and the samplers take); this is the one conversion.
+    """
+    return epochs_done + 1
+
+
 @dataclass
 class TrainState:
     """Counters that survive a restart.
 
-    ``epoch`` is the number of completed epochs; ``step`` the number of optimizer
-    steps; ``micro_step`` the number of forward/backward passes.
+    ``epoch`` is the number of completed epochs (0 while the first one trains), so the
+    epoch in progress is :attr:`epoch_number`; ``step`` the number of optimizer steps;
+    ``micro_step`` the number of forward/backward passes. ``best_epoch`` is the number
+    (from 1, as in the records) of the epoch with the best monitored value.
     """
 
     epoch: int = 0
@@ -25,6 +38,11 @@ class TrainState:
     best_value: float | None = None
     best_epoch: int | None = None
     epochs_without_improvement: int = 0
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch being trained (or, until the loop counts it, just finished), from 1."""
+        return epoch_number(self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

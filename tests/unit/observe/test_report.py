@@ -54,12 +54,12 @@ def write_lines(path: Path, records: list[dict], *, tail: str = "") -> None:
 
 
 def synthetic_records() -> list[dict]:
-    """Seven step records and three epoch records, as the loop writes them."""
+    """Seven step records and three epoch records, as the loop writes them (epochs from 1)."""
     records: list[dict] = []
-    epoch_ends = {20: 0, 50: 1, 70: 2}
+    epoch_ends = {20: 1, 50: 2, 70: 3}
     for index, loss in enumerate(STEP_LOSSES):
         step = (index + 1) * 10
-        epoch = 0 if step <= 20 else 1 if step <= 50 else 2
+        epoch = 1 if step <= 20 else 2 if step <= 50 else 3
         records.append(
             {
                 "epoch": epoch,
@@ -75,7 +75,7 @@ def synthetic_records() -> list[dict]:
                 {
                     "epoch": epoch,
                     "train/loss": loss,
-                    "train/accuracy": 0.5 + epoch / 10,
+                    "train/accuracy": 0.4 + epoch / 10,
                     "lr": 0.001,
                     "grad/norm": 0.6,
                     "time/epoch_s": 2.0,
@@ -83,8 +83,8 @@ def synthetic_records() -> list[dict]:
                     "time/forward_s": 0.7,
                     "time/step_s": 0.01,
                     "throughput/samples_per_s": 900.0,
-                    "val/loss": [1.9, 1.1, 0.95][epoch],
-                    "val/accuracy": [0.6, 0.8, 0.7][epoch],
+                    "val/loss": [1.9, 1.1, 0.95][epoch - 1],
+                    "val/accuracy": [0.6, 0.8, 0.7][epoch - 1],
                     "step": step,
                 }
             )
@@ -158,6 +158,48 @@ def test_status_shows_epochs_steps_and_best_monitored_metric(run_dir: Path) -> N
     assert "0.8 at epoch 2, step 50" in status
 
 
+def status_of(page: str) -> str:
+    return page[page.index('id="status"') : page.index('id="summary"')]
+
+
+def test_the_best_epoch_is_the_one_the_run_chose(run_dir: Path) -> None:
+    # summary.json holds the loop's own choice; the report names it, not a new argmax.
+    training = {
+        "epochs_done": 3,
+        "epochs": 5,
+        "stopped_early": True,
+        "monitor": "val/loss",
+        "mode": "min",
+        "best_value": 1.1,
+        "best_epoch": 2,
+    }
+    summary = {"verdict": "compute-bound", "training": training}
+    (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    page = render_report(run_dir)
+    status = status_of(page)
+    assert "<td>best val/loss (min)</td><td>1.1 at epoch 2, step 50</td>" in status
+    assert "3 of 3 (stopped early: val/loss stopped improving)" in status
+    summary_part = page[page.index('id="summary"') : page.index('id="phases"')]
+    assert "best_epoch" not in summary_part  # shown once, in the status
+
+
+def test_without_a_summary_the_best_epoch_follows_min_delta(run_dir: Path) -> None:
+    # A run still training: val/loss 1.9, 1.1, 0.95; 0.95 is within min_delta of 1.1.
+    config = "train:\n  epochs: 3\n  monitor: val/loss\n  early_stopping:\n"
+    (run_dir / "config.yaml").write_text(
+        config + "    patience: 5\n    min_delta: 0.2\n", encoding="utf-8"
+    )
+    assert "<td>1.1 at epoch 2, step 50</td>" in status_of(render_report(run_dir))
+    (run_dir / "config.yaml").write_text(config + "    patience: 5\n", encoding="utf-8")
+    assert "<td>0.95 at epoch 3, step 70</td>" in status_of(render_report(run_dir))
+
+
+def test_epoch_points_name_their_epoch(run_dir: Path) -> None:
+    page = render_report(run_dir)
+    assert "<title>epoch 2 (step 50): val/loss (per epoch) = 1.1</title>" in page
+    assert "<title>step 50: train/loss (per logged step) = " in page
+
+
 def test_config_is_escaped(run_dir: Path) -> None:
     evil = "<script>alert('x')</script>"
     (run_dir / "config.yaml").write_text(
@@ -225,7 +267,7 @@ def test_missing_or_empty_metrics_still_make_a_report(
 
 
 def test_a_chart_without_values_says_so(run_dir: Path) -> None:
-    records = [{"epoch": 0, "step": 5, "train/loss": 1.0}]
+    records = [{"epoch": 1, "step": 5, "train/loss": 1.0}]
     write_lines(run_dir / "metrics.jsonl", records)
     page = render_report(run_dir)
     assert len(series_points(page, "train/loss", "step")) == 1
@@ -330,7 +372,7 @@ def test_other_numeric_keys_get_charts_grouped_by_unit(run_dir: Path) -> None:
 
 
 def test_a_long_series_is_thinned(run_dir: Path) -> None:
-    records = [{"epoch": 0, "step": s, "train/loss": 1 / s} for s in range(1, 10_002)]
+    records = [{"epoch": 1, "step": s, "train/loss": 1 / s} for s in range(1, 10_002)]
     write_lines(run_dir / "metrics.jsonl", records)
     page = render_report(run_dir)
     points = series_points(page, "train/loss", "step")

@@ -46,7 +46,7 @@ def test_fit_learns_and_writes_the_run_dir(tmp_path, toy_classification, mlp_fac
     } <= set(last)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     epoch_lines = [line for line in lines if "val/loss" in line]
-    assert [line["epoch"] for line in epoch_lines] == list(range(8))
+    assert [line["epoch"] for line in epoch_lines] == list(range(1, 9))  # from 1
     assert epoch_lines[-1]["step"] == 8 * 6  # 192 samples / 32 per step
     for name in (
         "config.yaml",
@@ -109,7 +109,7 @@ def test_resuming_at_an_epoch_boundary_gives_identical_weights(
 
     resumed = stoker.fit(model(), (x, y), epochs=4, resume=tmp_path / "b", **common)
     assert resumed.run_dir == tmp_path / "b"
-    assert [r["epoch"] for r in resumed.history] == [0, 1, 2, 3]
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3, 4]
     for a, b in zip(
         straight.model.state_dict().values(), resumed.model.state_dict().values(), strict=True
     ):
@@ -142,7 +142,7 @@ def test_early_stopping_stops_and_says_so(tmp_path, toy_classification, mlp_fact
         **{**OPTIONS, "lr": 1e-9},
     )
     assert result.stopped_early
-    assert len(result.history) == 3  # best at epoch 0, then two epochs without improvement
+    assert len(result.history) == 3  # best at epoch 1, then two epochs without improvement
 
 
 def test_regression_reports_mse_and_mae(tmp_path) -> None:
