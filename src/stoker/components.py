@@ -21,15 +21,18 @@ from stoker.data.sources import split_dataset
 from stoker.errors import ConfigError, DataError
 from stoker.examples.datasets import DATASETS as EXAMPLE_DATASETS
 from stoker.examples.models import MODELS
+from stoker.train import losses
 
+#: The built-in losses. The elementwise ones align ``(N, 1)`` outputs with ``(N,)``
+#: targets and refuse shapes that would broadcast (see ``stoker.train.losses``).
 LOSSES: dict[str, Callable[..., nn.Module]] = {
     "cross_entropy": nn.CrossEntropyLoss,
     "nll": nn.NLLLoss,
-    "bce_with_logits": nn.BCEWithLogitsLoss,
-    "mse": nn.MSELoss,
-    "l1": nn.L1Loss,
-    "smooth_l1": nn.SmoothL1Loss,
-    "huber": nn.HuberLoss,
+    "bce_with_logits": losses.BCEWithLogitsLoss,
+    "mse": losses.MSELoss,
+    "l1": losses.L1Loss,
+    "smooth_l1": losses.SmoothL1Loss,
+    "huber": losses.HuberLoss,
 }
 COLLATES: dict[str, Callable[..., Any]] = {"pad": PadCollate}
 DATASETS: dict[str, Callable[..., Any]] = {**SOURCES, **EXAMPLE_DATASETS}
@@ -166,9 +169,18 @@ def _as_dataset(value: Any, field: str) -> Dataset:
 
 
 def build_loss(config: RunConfig) -> nn.Module | Callable:
-    """The loss function the config names."""
+    """The loss function the config names.
+
+    A built-in loss that skips a target value (cross_entropy, nll) skips
+    ``loss.ignore_index`` unless ``loss.args`` names its own, so the loss, the token
+    count of ``normalize: tokens`` and the metrics all leave out the same padding.
+    """
+    defaults = {"ignore_index": config.loss.ignore_index} if config.loss.name in LOSSES else {}
     return _call(
-        ComponentSpec(name=config.loss.name, args=config.loss.args), field="loss", builtins=LOSSES
+        ComponentSpec(name=config.loss.name, args=config.loss.args),
+        field="loss",
+        builtins=LOSSES,
+        defaults=defaults,
     )
 
 

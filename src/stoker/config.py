@@ -203,8 +203,10 @@ class TrainConfig(Section):
         description="Copy the next batch to the GPU on a side stream during the step "
         "(`auto`: on with CUDA).",
     )
-    task: Literal["auto", "classification", "regression"] = Field(
-        "auto", description="Which validation metrics to report; `auto` infers it from the loss."
+    task: Literal["auto", "classification", "regression", "none"] = Field(
+        "auto",
+        description="Which metrics to report; `auto` infers it from the loss; `none`: the "
+        "loss alone.",
     )
     monitor: str | None = Field(
         None, description="Metric for best checkpoint and early stopping; val/loss or train/loss."

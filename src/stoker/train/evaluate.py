@@ -31,7 +31,7 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    metrics = TaskMetrics(task, ignore_index=ignore_index)
+    metrics = TaskMetrics(task, ignore_index=ignore_index, loss_fn=loss_fn)
     try:
         with torch.inference_mode():
             for batch in loader:

@@ -344,7 +344,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     state = loop.state
     loop.train_loader.set_epoch(state.epoch)
     loop.model.train()
-    metrics = TaskMetrics(loop.task, ignore_index=_ignored(loop))
+    metrics = TaskMetrics(loop.task, ignore_index=_ignored(loop), loss_fn=loop.loss_fn)
     window = StepWindow.empty(loop.device)
     epoch_norm_sum = torch.zeros((), device=loop.device)
     epoch_norms = 0

@@ -21,6 +21,7 @@ from stoker.data.device import resolve_device
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.distributed.sharding import rank_share
 from stoker.errors import ConfigError
+from stoker.train.losses import align_user_loss
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,11 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
         train_data, val_data = user.train_data, user.val_data
     else:
         train_data, val_data = components.build_datasets(config)
-    loss_fn = user.loss_fn if user.loss_fn is not None else components.build_loss(config)
+    if user.loss_fn is not None:
+        # PyTorch's own elementwise losses align (N, 1) with (N,) as the built-ins do.
+        loss_fn = align_user_loss(user.loss_fn)
+    else:
+        loss_fn = components.build_loss(config)
     collate_fn = user.collate_fn or components.build_collate_fn(config)
     train_data = _cached(config, train_data)
     train_loader = build_train_loader(config, train_data, device=device, collate_fn=collate_fn)
