@@ -345,7 +345,13 @@ def test_fp16_overflow_steps_are_counted_not_faults(
     model = mlp_factory()
     poison_gradient(model[0].weight, {3, 4})  # finite loss, inf gradient: an overflow
     result = stoker.fit(
-        model, (x, y), epochs=2, precision="fp16", run_dir=tmp_path / "run", **OPTIONS
+        model,
+        (x, y),
+        epochs=2,
+        precision="fp16",
+        device="cpu",
+        run_dir=tmp_path / "run",
+        **OPTIONS,
     )
     first, second = result.history
     assert (first["numerics/overflow_steps"], second["numerics/overflow_steps"]) == (2, 0)
@@ -358,7 +364,15 @@ def test_a_collapsing_loss_scale_is_an_error(tmp_path, toy_classification, mlp_f
     model = mlp_factory()
     poison_gradient(model[0].weight, range(2, 1000))
     with pytest.raises(TrainingError) as info:
-        stoker.fit(model, (x, y), epochs=5, precision="fp16", run_dir=tmp_path / "run", **OPTIONS)
+        stoker.fit(
+            model,
+            (x, y),
+            epochs=5,
+            precision="fp16",
+            device="cpu",
+            run_dir=tmp_path / "run",
+            **OPTIONS,
+        )
     text = str(info.value)
     assert text.startswith(
         "fp16 loss scale collapsed from 65536 to 0.5 after 17 consecutive overflow steps "

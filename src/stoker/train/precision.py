@@ -3,15 +3,54 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
 
 from stoker.config import Precision as PrecisionName
+from stoker.config import TrainConfig
 from stoker.errors import ConfigError
+
+logger = logging.getLogger("stoker")
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NO_AUTOCAST = contextlib.nullcontext()  # stateless: one serves every call
+
+
+def build_precision(train: TrainConfig, device: torch.device) -> Precision:
+    """The run's precision on ``device``, refusing fp16 where it cannot pay off.
+
+    fp16 on the CPU is an error when ``train.device`` is ``auto``: the config was
+    written for a GPU and this machine has none. PyTorch runs CPU autocast in float16
+    for real, but in software: a 256×256 linear layer measured 6–8× slower than in
+    fp32 on the development machine, with no memory saved that matters on a host, so
+    running it would honour the letter of the config and defeat its purpose. Falling
+    back to bf16 or fp32 instead would train in another precision than the config, its
+    checkpoints and the run's records say.
+    An error costs one override (its hint names it). With ``train.device=cpu`` asked
+    for explicitly, fp16 runs — loss scaling included, which is how its code path is
+    tested without a GPU — after a warning.
+
+    Raises:
+        ConfigError: fp16 with ``train.device=auto`` resolved to the CPU; fp16 on MPS.
+    """
+    if train.precision == "fp16" and device.type == "cpu":
+        if str(train.device).strip().lower() == "auto":
+            raise ConfigError(
+                "train.precision=fp16: float16 autocast and loss scaling need a CUDA "
+                "device, and this machine has none (train.device=auto chose the CPU)",
+                hint="set train.precision=bf16 (CPU autocast; fast only on CPUs with "
+                "bfloat16 instructions, such as AMX) or fp32 (precision='bf16' or 'fp32' in "
+                "stoker.fit); to run fp16 on the CPU anyway (slow: software float16, e.g. to "
+                "test loss scaling), set train.device=cpu",
+            )
+        logger.warning(
+            "train.precision=fp16 on the CPU runs float16 in software, several times "
+            "slower than fp32; use train.precision=bf16 or fp32 unless you are testing "
+            "fp16 loss scaling"
+        )
+    return Precision(train.precision, device)
 
 
 class Precision:
@@ -20,6 +59,10 @@ class Precision:
     fp32: autocast is a null context and the scaler is disabled (``scale`` returns the
     loss, ``step`` calls ``optimizer.step()``). bf16: autocast only — bf16 has fp32's
     exponent range, so no scaling. fp16: autocast plus dynamic loss scaling.
+
+    The object itself takes fp16 on any device but MPS (unit tests drive the scaler on
+    the CPU); a run gets it through :func:`build_precision`, which refuses fp16 on a
+    CPU the run did not ask for.
     """
 
     def __init__(self, name: PrecisionName, device: torch.device) -> None:

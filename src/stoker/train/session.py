@@ -49,7 +49,7 @@ from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.pipeline import UserComponents, build_pipeline
-from stoker.train.precision import Precision
+from stoker.train.precision import build_precision
 from stoker.train.resume import ResumableParts, resume_mismatches, stop_on_signals
 from stoker.train.rundir import create_run_dir
 from stoker.train.state import TrainState, seed_everything
@@ -145,7 +145,7 @@ def _train_run(
     scheduler = build_scheduler(
         optimizer, config.schedule, total_steps=_total_steps(config, train_loader)
     )
-    precision = Precision(config.train.precision, device)
+    precision = build_precision(config.train, device)
     state = TrainState()
     monitor = _monitor(config, has_val=val_loader is not None)
 
