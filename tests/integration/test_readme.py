@@ -26,5 +26,5 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     assert float(accuracy) > 0.95  # label = sign of x0 + x1: an MLP learns it
     assert (tmp_path / run_dir / "metrics.jsonl").is_file()
     history = [line.split() for line in lines[result_line + 1 :]]
-    assert [int(row[0]) for row in history] == list(range(10))
+    assert [int(row[0]) for row in history] == list(range(1, 11))  # epochs count from 1
     assert all(len(row) == 6 for row in history)
