@@ -34,11 +34,14 @@ browser:
 		|| { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "chromium missing and not root: the browser test will be skipped"
 
+# Tests run split over pytest-xdist workers, one per core by default: many of them wait
+# on a subprocess (the CLI as a user runs it), so a core is rarely idle.
+TEST_WORKERS ?= auto
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m stoker.reference --check
 	$(VENV)/bin/mkdocs build --strict -q -d $$(mktemp -d)
-	$(VENV)/bin/pytest -m "not slow" -q
+	$(VENV)/bin/pytest -m "not slow" -q -n $(TEST_WORKERS) --durations=15
 
 # The user guide as a site in site/; the references are generated from the code first.
 docs: $(STAMP)

@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+import os
+import random
+
+import numpy as np
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def isolated_process_state():
+    """Give every test the process-wide state the one before it found, whatever it did.
+
+    ``stoker.fit`` seeds the global RNGs (as a user's run should), tests seed them or set
+    the intra-op thread count, and a test may change the environment or the working
+    directory: restored after each test, no result can depend on which tests ran before
+    it, or in which order (the suite also runs split over pytest-xdist workers).
+    """
+    torch_rng = torch.get_rng_state()
+    numpy_rng = np.random.get_state()
+    python_rng = random.getstate()
+    threads = torch.get_num_threads()
+    environ = dict(os.environ)
+    cwd = os.getcwd()
+    yield
+    torch.set_rng_state(torch_rng)
+    np.random.set_state(numpy_rng)
+    random.setstate(python_rng)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
 
 
 @pytest.fixture
