@@ -343,7 +343,7 @@ def _hint(mismatch: Mismatch, layer: str, module: nn.Module, value: torch.Tensor
     if field == "in_channels" and isinstance(module, nn.Conv2d) and {expected, got} == {1, 3}:
         mode = "RGB" if expected == 3 else "L"
         return (
-            f"the images have {got} channel(s): load them as {mode} "
+            f"the images have {_channels(got)}: load them as {mode} "
             f"(image_folder's mode={mode}), or build {layer} with in_channels={got}"
         )
     given = _GIVE.get(field, "{expected} for " + field).format(expected=expected)
@@ -410,8 +410,8 @@ def config_hint(
             else f"build {error.module} with in_channels={error.got}"
         )
         return (
-            f"set data.train.args.mode={mode} (the images load with {error.got} "
-            f"channel(s)), or {other}"
+            f"set data.train.args.mode={mode} (the images load with "
+            f"{_channels(error.got)}), or {other}"
         )
     return f"set {model_fix}" if model_fix else None
 
@@ -463,6 +463,10 @@ def _text(error: BaseException) -> str:
     if len(first) > 300:
         first = first[:297] + "..."
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _channels(count: int) -> str:
+    return "1 channel" if count == 1 else f"{count} channels"
 
 
 def _isqrt(value: int) -> int | None:

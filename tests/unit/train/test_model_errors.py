@@ -269,7 +269,7 @@ def test_config_hints_point_a_channel_mismatch_at_the_image_mode() -> None:
     ):
         forward(SmallCNN(in_channels=3), _floats(2, 1, 8, 8))
     assert caught.value.hint == (
-        "set data.train.args.mode=RGB (the images load with 1 channel(s)), "
+        "set data.train.args.mode=RGB (the images load with 1 channel), "
         "or set model.args.in_channels=1"
     )
 
