@@ -177,9 +177,11 @@ class BadRecordLog:
         for number, sample in enumerate(samples, start=first):
             if number <= LOGGED_ONE_BY_ONE:
                 logger.warning("skipped bad record (%s): %s", self.split, sample.describe())
-            if number == LOGGED_ONE_BY_ONE:
+            elif number == LOGGED_ONE_BY_ONE + 1:
                 logger.warning(
-                    "more bad records will be skipped without a line here each; see %s", where
+                    "more than %d bad records skipped: the rest are not named here; see %s",
+                    LOGGED_ONE_BY_ONE,
+                    where,
                 )
 
     def state_dict(self) -> dict[str, Any]:

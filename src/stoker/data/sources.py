@@ -307,13 +307,18 @@ def _own_targets(dataset: Dataset) -> torch.Tensor | None:
         return None
 
 
-def _own_lengths(dataset: Dataset) -> torch.Tensor | None:
+def _own_lengths(dataset: Dataset) -> Any:
     lengths = getattr(dataset, "lengths", None)
     if lengths is None:
         return None
     if callable(lengths):
         lengths = lengths()
-    return lengths if isinstance(lengths, torch.Tensor) else torch.as_tensor(np.asarray(lengths))
+    if isinstance(lengths, torch.Tensor):
+        return lengths
+    try:
+        return torch.as_tensor(np.asarray(lengths))
+    except (TypeError, ValueError, RuntimeError):
+        return lengths  # as given: the sampler's check says what is wrong with it
 
 
 def dataset_targets(dataset: Dataset) -> torch.Tensor | None:

@@ -213,3 +213,20 @@ def test_a_resumed_run_writes_no_record_twice(tmp_path: Path) -> None:
     old = BadRecordLog(None)
     old.load_state_dict({"total": 5, "consecutive": 0})
     assert old.total == 5
+
+
+def test_the_log_names_the_first_ten_then_says_the_rest_are_in_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = BadRecordLog(tmp_path / "bad_records.jsonl", max_consecutive=100)
+    with caplog.at_level("WARNING", logger="stoker"):
+        log.record_bad([bad(i) for i in range(12)])
+        log.record_bad([bad(i) for i in range(14)])
+    said = [r.getMessage() for r in caplog.records]
+    assert said[:10] == [
+        f"skipped bad record (train): mem, index {i}: sample {i} is broken" for i in range(10)
+    ]
+    assert said[10:] == [
+        "more than 10 bad records skipped: the rest are not named here; see bad_records.jsonl"
+    ]
+    assert len(lines(tmp_path / "bad_records.jsonl")) == log.total == 14
