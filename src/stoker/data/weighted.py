@@ -64,7 +64,7 @@ def _validate_weights(weights: Any, dataset_len: int | None) -> torch.Tensor:
     if not bool((w > 0).any()):
         raise DataError(
             f"all {w.numel()} sampler weights are zero; expected at least one positive weight.",
-            hint="give some samples a positive weight, or use loader.weights=balanced",
+            hint="give at least one sample a weight above 0",
         )
     return w
 
