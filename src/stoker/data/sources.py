@@ -199,7 +199,9 @@ class ArrayDataset(Dataset):
         """
         idx = torch.as_tensor(indices, dtype=torch.long)
         part = ArrayDataset(*self.__getitems__(idx), names=self._names)
-        part._origin = (self._length, idx)
+        # int32 while it fits: half the memory of the int64 index, for a large part.
+        small = self._length <= torch.iinfo(torch.int32).max
+        part._origin = (self._length, idx.to(torch.int32) if small else idx)
         return part
 
     def __repr__(self) -> str:
