@@ -259,7 +259,7 @@ def explain_first_batch(pipeline: Pipeline, *, max_nodes: int = 200) -> GraphExp
     from stoker.data.device import move_to_device
     from stoker.errors import DataError
     from stoker.train.batch import explain_loss_failure, forward, split_batch
-    from stoker.train.precision import Precision
+    from stoker.train.precision import build_precision
 
     model = pipeline.model.to(pipeline.device).train()
     batches = iter(pipeline.train_loader)
@@ -272,7 +272,7 @@ def explain_first_batch(pipeline: Pipeline, *, max_nodes: int = 200) -> GraphExp
     finally:
         del batches  # stops loader workers
     inputs, targets = split_batch(move_to_device(batch, pipeline.device))
-    precision = Precision(pipeline.config.train.precision, pipeline.device)
+    precision = build_precision(pipeline.config.train, pipeline.device)
     with precision.autocast():
         outputs = forward(model, inputs)
         try:

@@ -25,7 +25,7 @@ from stoker.data.loader import PerSampleView
 from stoker.train.batch import batch_size_of, forward, split_batch
 from stoker.train.optim import build_optimizer
 from stoker.train.pipeline import Pipeline, UserComponents, build_train_loader
-from stoker.train.precision import Precision
+from stoker.train.precision import build_precision
 from stoker.train.session import train_run
 
 __all__ = [
@@ -444,7 +444,7 @@ def measure_compute(
     # are many times slower on CPUs; with lr 0 every step does the same work as a fresh one.
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    precision = Precision(config.train.precision, device)
+    precision = build_precision(config.train, device)
     inputs, targets = split_batch(move_to_device(batch, device, non_blocking=False))
     size = samples_in(batch)
 

@@ -93,3 +93,15 @@ def test_cli_train_with_fp16_and_no_gpu_exits_2_with_the_fix(tmp_path) -> None:
     assert "fix: set train.precision=bf16" in done.stderr
     assert "Traceback" not in done.stderr
     assert not list(tmp_path.glob("runs/*/metrics.jsonl"))  # nothing trained
+
+
+def test_the_doctors_compute_measurement_refuses_fp16_on_a_cpu_too() -> None:
+    """`stoker doctor` and `stoker explain` build the run's precision the same way."""
+    from stoker.observe.stages import measure_compute
+
+    config = validate_config({"train": {"precision": "fp16"}}, source="test")
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(ConfigError, match="train.precision=fp16"):
+        measure_compute(
+            nn.Linear(3, 2), batch, nn.CrossEntropyLoss(), config=config, device=CPU, seconds=0.1
+        )
