@@ -11,7 +11,11 @@ import torch
 from stoker.data import builtins
 from stoker.data.convert import convert_csv
 from stoker.data.fingerprint import fingerprint_dataset, fingerprint_files
+from stoker.data.images import IMAGE_MODES, ImageFolder, ImageSurvey
 from stoker.errors import DataError
+
+_SHOWN_CLASSES = 20  # an image folder's classes listed one a line; more are summarized
+_SHOWN_SIZES = 5
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
@@ -81,7 +85,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if not path.exists():
         raise DataError(f"{path} does not exist", hint="give a file or folder of data")
-    dataset, kind, schema = open_for_inspection(path)
+    dataset, kind, schema, details = open_for_inspection(path)
     size = sum(f.stat().st_size for f in _files(path))
     fingerprint = fingerprint_dataset(dataset, full=args.full)
     if fingerprint.kind == "unknown":
@@ -93,6 +97,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     print("  schema:")
     for name, description in schema.items():
         print(f"    {name}: {description}")
+    for line in details:
+        print(f"  {line}")
     rows = min(args.rows, len(dataset))
     if rows:
         print(f"  first {rows} sample{'s' * (rows != 1)}:")
@@ -101,33 +107,98 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_for_inspection(path: Path) -> tuple[Any, str, dict[str, str]]:
-    """The dataset at ``path``, its kind, and its schema as {field: description}."""
+def open_for_inspection(path: Path) -> tuple[Any, str, dict[str, str], list[str]]:
+    """The dataset at ``path``, its kind, its schema as {field: description}, more lines."""
     suffixes = {p.suffix for p in _files(path)}
     if path.suffix == ".parquet" or (path.is_dir() and suffixes == {".parquet"}):
         dataset = builtins.parquet(str(path))
-        return dataset, "parquet", dataset.schema()
+        return dataset, "parquet", dataset.schema(), []
     if path.suffix == ".npy" or (path.is_dir() and suffixes == {".npy"}):
         dataset = builtins.npy(str(path) if path.is_dir() else [str(path)])
-        return dataset, "npy", _shapes(dataset)
+        return dataset, "npy", _shapes(dataset), []
     if path.suffix == ".csv":
         dataset = builtins.csv(str(path))
-        return dataset, "csv", {name: "column" for name in dataset.columns}
+        return dataset, "csv", {name: "column" for name in dataset.columns}, []
     if path.suffix == ".jsonl":
         dataset = builtins.jsonl(str(path), tokenizer="byte")
         classes = getattr(dataset, "classes", None)
         schema = {"text": "str → byte tokens", "label": f"classes {classes}" if classes else "int"}
-        return dataset, "jsonl", schema
+        return dataset, "jsonl", schema, []
     if path.is_dir():
-        dataset = builtins.image_folder(str(path))
-        counts = torch.bincount(dataset.targets, minlength=len(dataset.classes)).tolist()
-        schema = {
-            name: f"{count} images" for name, count in zip(dataset.classes, counts, strict=True)
-        }
-        return dataset, "image folder", schema
+        return _image_folder(path)
     raise DataError(
         f"stoker data inspect does not know the format of {path}",
         hint="give a .parquet, .npy, .csv or .jsonl file, or a folder of them or of images",
+    )
+
+
+def _image_folder(path: Path) -> tuple[Any, str, dict[str, str], list[str]]:
+    """An image folder: classes and counts, and the files' sizes and modes from their headers.
+
+    The samples shown are decoded as ``mode: keep`` when every file has one mode, so they
+    show the files' own channels; a folder of mixed modes is shown as RGB.
+    """
+    listing = ImageFolder(path, mode="RGB")  # mode named: scans without peeking or notes
+    survey = ImageSurvey.of(file for file, _ in listing.samples)
+    kept = set(survey.kept_modes)
+    dataset = ImageFolder(path, mode="keep") if len(kept) == 1 else listing
+    counts = torch.bincount(listing.targets, minlength=len(listing.classes)).tolist()
+    single = next(iter(survey.sizes)) if len(survey.sizes) == 1 else None
+    shape = f"[{dataset.channels}, {single[1]}, {single[0]}]" if single else "[C, H, W]"
+    channels = f"{dataset.channels} channel{'s' * (dataset.channels != 1)}"
+    schema = {
+        "image": f"float32 {shape} per sample in [0, 1] (mode {dataset.image_mode}, {channels})",
+        "label": f"int64, {len(listing.classes)} classes",
+    }
+    lines = [f"classes ({len(listing.classes)}):"]
+    shown = list(zip(listing.classes, counts, strict=True))
+    lines += [f"  {name}: {count:,} images" for name, count in shown[:_SHOWN_CLASSES]]
+    if len(shown) > _SHOWN_CLASSES:
+        rest = counts[_SHOWN_CLASSES:]
+        lines.append(f"  … {len(rest)} more classes, {min(rest):,} to {max(rest):,} images each")
+    lines.append("image sizes (width×height): " + _counted(survey.sizes, _SHOWN_SIZES))
+    if len(survey.sizes) > _SHOWN_SIZES:
+        widths = [w for w, _ in survey.sizes]
+        heights = [h for _, h in survey.sizes]
+        lines.append(
+            f"  widths {min(widths)} to {max(widths)}, heights {min(heights)} to "
+            f"{max(heights)}: give image_folder a size (e.g. size: 224) so they batch"
+        )
+    lines.append("image modes: " + _counted(survey.modes, len(survey.modes)))
+    lines.append(_mode_advice(kept))
+    if survey.unreadable:
+        lines.append(
+            f"unreadable: {len(survey.unreadable):,} file(s), e.g. {survey.unreadable[0]} "
+            "(data.bad_records=skip drops and logs them)"
+        )
+    return dataset, "image folder", schema, lines
+
+
+def _counted(counts: Any, shown: int) -> str:
+    """``16×16: 1,797, 8×8: 3`` for the most common ``shown`` keys of a Counter."""
+    parts = []
+    for key, count in counts.most_common(shown):
+        name = "×".join(str(v) for v in key) if isinstance(key, tuple) else str(key)
+        parts.append(f"{name}: {count:,}")
+    more = len(counts) - shown
+    return ", ".join(parts) + (f", … {more} more" if more > 0 else "") if parts else "none"
+
+
+def _mode_advice(kept: set[str]) -> str:
+    """What `mode` to give image_folder for these files, said once."""
+    if len(kept) > 1:
+        return (
+            f"mixed modes ({', '.join(sorted(kept))}): set mode: RGB (or L) in the "
+            "image_folder args to convert every image to one mode; mode: keep would stop "
+            "at the first file unlike the others"
+        )
+    (mode,) = kept or {"RGB"}
+    if mode == "RGB":
+        return "mode: every file is RGB, so keep and RGB (the default) give 3 channels"
+    named = f" or {mode}" if mode in IMAGE_MODES else ""
+    return (
+        f"mode: every file is {mode}; set mode: keep{named} to train on them as they are "
+        "(without `mode`, image_folder converts them to RGB, 3 channels, and says so)"
     )
 
 

@@ -254,6 +254,8 @@ class Resize:
         if isinstance(x, torch.Tensor):
             x = _need_tensor(x, "Resize")
             height, width = self._target(x.shape[-2], x.shape[-1])
+            if (height, width) == tuple(x.shape[-2:]):
+                return x  # already that size: resampling would only blur and cost time
             if not x.is_floating_point():
                 raise DataError(
                     f"Resize got a tensor of dtype {x.dtype}; expected a float tensor.",
@@ -272,6 +274,8 @@ class Resize:
         from PIL import Image  # loaded already: x is a Pillow image
 
         height, width = self._target(x.height, x.width)
+        if (height, width) == (x.height, x.width):
+            return x
         return x.resize((width, height), resample=Image.Resampling.BILINEAR)
 
     def __repr__(self) -> str:
