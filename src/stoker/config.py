@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from stoker.config_paths import resolve_paths
+from stoker.config_problems import describe_problems, suggest
 from stoker.errors import ConfigError
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -338,60 +339,23 @@ def _plain(value: Any) -> Any:
 # --- validation with errors for people -------------------------------------------------
 
 
-def validate_config(raw: Mapping[str, Any], *, source: str = "config") -> RunConfig:
-    """Validate a raw mapping, reporting every problem at once with its field path."""
+def validate_config(
+    raw: Mapping[str, Any], *, source: str = "config", overrides: Sequence[str] = ()
+) -> RunConfig:
+    """Validate a raw mapping, reporting every problem at once with its field path.
+
+    Args:
+        raw: The config mapping, overrides applied.
+        source: What the mapping came from (the config file), named in the message.
+        overrides: The ``key=value`` overrides applied to it: a problem with a value one
+            of them set is reported under that override, not under ``source``.
+    """
     try:
         return RunConfig.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = [_describe(error) for error in exc.errors()]
         raise ConfigError(
-            f"{source} has {len(problems)} problem{'s' * (len(problems) != 1)}:\n"
-            + "\n".join(f"  - {p}" for p in problems)
+            describe_problems(exc, root=RunConfig, source=source, overrides=overrides)
         ) from None
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    loc = tuple(error["loc"])
-    path = ".".join(str(part) for part in loc) or "(top level)"
-    if error["type"] == "extra_forbidden":
-        parent = _section_at(loc[:-1])
-        known = sorted(parent.model_fields) if parent is not None else []
-        hint = _suggest(str(loc[-1]), known)
-        return f"{path}: unknown key{hint}; known keys here: {', '.join(known)}"
-    given = error.get("input")
-    message = error["msg"]
-    if isinstance(given, (str, int, float, bool)) or given is None:
-        return f"{path}: {message} (given: {given!r})"
-    return f"{path}: {message}"
-
-
-def _section_at(loc: Sequence[Any]) -> type[BaseModel] | None:
-    """The pydantic model a location points into, for listing its known keys."""
-    model: type[BaseModel] = RunConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None
-        nested = _model_in(field.annotation)
-        if nested is None:
-            return None
-        model = nested
-    return model
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _suggest(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # --- loading and overrides -------------------------------------------------------------
@@ -414,12 +378,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+def apply_overrides(
+    raw: Mapping[str, Any], overrides: Sequence[str], *, base: Path | None = None
+) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides; values are parsed as YAML, so types follow the schema.
 
     Args:
         raw: The config mapping to start from (not modified).
         overrides: Strings such as ``train.epochs=2`` or ``optim.betas=[0.9,0.95]``.
+        base: When given, relative paths the overrides set resolve from this folder (the
+            current one, for overrides typed on the command line).
     """
     result = _deep_copy(raw)
     for item in overrides:
@@ -434,6 +402,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
         except yaml.YAMLError:
             value = text
         parts = key.strip().split(".")
+        if base is not None:
+            value = resolve_paths(value, at=tuple(parts), base=base)
         node = result
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -456,29 +426,17 @@ def _deep_copy(value: Any) -> Any:
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Load, override and validate a run config file."""
-    raw = apply_overrides(load_yaml(path), overrides)
-    config = validate_config(raw, source=str(path))
-    return _resolve_relative_paths(config, Path(path).parent)
+    """Load, override and validate a run config file.
 
-
-def _resolve_relative_paths(config: RunConfig, base: Path) -> RunConfig:
-    """Make `file.py:callable` specs relative to the config file, as a reader expects."""
-
-    def fix(spec: ComponentSpec | None) -> ComponentSpec | None:
-        if spec is None:
-            return None
-        module, sep, attr = spec.name.partition(":")
-        if sep and module.endswith(".py") and not Path(module).is_absolute():
-            candidate = base / module
-            if candidate.is_file():
-                return spec.model_copy(update={"name": f"{candidate}:{attr}"})
-        return spec
-
-    data = config.data.model_copy(
-        update={"train": fix(config.data.train), "val": fix(config.data.val)}
-    )
-    return config.model_copy(update={"model": fix(config.model), "data": data})
+    Relative paths in the file (data files, ``models.py:Net``, a collate function, cache
+    and run folders) resolve from the file's folder, whatever the current folder; those
+    set by ``overrides`` resolve from the current folder. Both come out absolute (see
+    :mod:`stoker.config_paths`).
+    """
+    folder = Path(path).absolute().parent
+    raw = resolve_paths(load_yaml(path), at=(), base=folder)
+    raw = apply_overrides(raw, overrides, base=Path.cwd())
+    return validate_config(raw, source=str(path), overrides=overrides)
 
 
 def write_config(config: RunConfig, path: str | Path) -> None:
@@ -519,7 +477,7 @@ def config_from_options(options: Mapping[str, Any]) -> RunConfig:
     unknown = []
     for option, value in options.items():
         if option not in FLAT_OPTIONS:
-            unknown.append(f"  - {option}: unknown option{_suggest(option, FLAT_OPTIONS)}")
+            unknown.append(f"  - {option}: unknown option{suggest(option, FLAT_OPTIONS)}")
             continue
         section, field = FLAT_OPTIONS[option]
         if isinstance(value, os.PathLike):

@@ -58,8 +58,10 @@ def _parquet_files(path: Path) -> list[Path]:
         return files
     if not path.is_file():
         raise DataError(
-            f"Parquet path {path} does not exist; expected a .parquet file or a folder of them.",
-            hint="check data.path (a relative path is taken from the working directory)",
+            f"Parquet path {path.absolute()} does not exist; expected a .parquet file or a "
+            "folder of them.",
+            hint="check the path: in a run config a relative path is taken from the config "
+            "file's folder, in stoker.fit from the working directory",
         )
     return [path]
 

@@ -157,8 +157,9 @@ def _layout(
         )
     if not path.is_file():
         raise DataError(
-            f"CSV file {path} does not exist.",
-            hint="check data.path (a relative path is taken from the working directory)",
+            f"CSV file {path.absolute()} does not exist.",
+            hint="check the path: in a run config a relative path is taken from the config "
+            "file's folder, in stoker.fit from the working directory",
         )
     with path.open("rb") as stream:
         header = stream.readline()
