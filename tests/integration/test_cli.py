@@ -30,7 +30,7 @@ def test_demo_trains_and_fills_the_run_dir(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "epoch 3/3" in done.stdout
     assert f"run dir: {run_dir}" in done.stdout
-    assert f"stoker demo --resume {run_dir}" in done.stdout
+    assert f"stoker demo --epochs 3 --resume {run_dir}" in done.stdout  # as it was started
     assert "tensorboard --logdir" in done.stdout
     for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "checkpoints/last.json"):
         assert (run_dir / name).is_file(), name
@@ -63,10 +63,21 @@ def test_tensorboard_scalars_are_readable(tmp_path: Path) -> None:
 
 def test_resume_continues_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
-    first = stoker("train", str(EXAMPLE), "train.epochs=1", "--run-dir", str(run_dir), "--quiet")
+    # A cosine of a fixed length: one over the whole run could not be extended exactly.
+    fixed = "schedule.total_steps=30"
+    first = stoker(
+        "train", str(EXAMPLE), "train.epochs=1", fixed, "--run-dir", str(run_dir), "--quiet"
+    )
     assert first.returncode == 0, first.stderr
     second = stoker(
-        "train", str(EXAMPLE), "train.epochs=2", "--resume", str(run_dir), "--progress", "plain"
+        "train",
+        str(EXAMPLE),
+        "train.epochs=2",
+        fixed,
+        "--resume",
+        str(run_dir),
+        "--progress",
+        "plain",
     )
     assert second.returncode == 0, second.stderr
     assert "resuming" in second.stdout and "epoch 2/2" in second.stdout

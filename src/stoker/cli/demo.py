@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from importlib import resources
 
-from stoker.cli.options import add_run_flags, progress_mode, run_dir_overrides
+from stoker.cli.options import add_run_flags, progress_mode, resume_template, run_dir_overrides
 from stoker.config import load_config
 from stoker.train.session import train_run
 
@@ -38,12 +38,14 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         overrides.append(f"train.epochs={args.epochs}")
     config = load_config(demo_config_path(), overrides)
+    epochs = ["--epochs", str(args.epochs)] if args.epochs is not None else []
     result = train_run(
         config,
         resume=args.resume,
         progress=progress_mode(args),
         allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
-        resume_hint="stoker demo --resume {run_dir}",
+        # The same epochs and overrides again: the demo's cosine spans the whole run.
+        resume_hint=resume_template(["stoker", "demo", *epochs], args.overrides),
     )
     return 0 if result.history else 1

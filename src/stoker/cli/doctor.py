@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from stoker.cli.options import add_config_and_overrides
 from stoker.config import load_config
 from stoker.errors import ConfigError
 from stoker.observe.doctor import Diagnosis, run_doctor
@@ -29,10 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
             "and the fix. Nothing is written next to the config."
         ),
     )
-    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
-    parser.add_argument(
-        "overrides", metavar="KEY=VALUE", nargs="*", help="config overrides, as for train"
-    )
+    add_config_and_overrides(parser, example="loader.num_workers=2")
     parser.add_argument(
         "--seconds",
         type=float,

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from stoker.cli.options import add_config_and_overrides
 from stoker.config import load_config
 from stoker.observe.explain import GraphExplanation, explain_first_batch
 
@@ -22,13 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
             "shapes, requires_grad and which tensors are leaves."
         ),
     )
-    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
-    parser.add_argument(
-        "overrides",
-        metavar="KEY=VALUE",
-        nargs="*",
-        help="config overrides, e.g. model.args.hidden=[32]",
-    )
+    add_config_and_overrides(parser, example="model.args.hidden=[32]")
     parser.add_argument(
         "--format",
         choices=("mermaid", "text"),

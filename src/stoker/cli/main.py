@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from stoker import __version__
 from stoker.cli import data, demo, doctor, explain, report, train, tune
+from stoker.cli.options import CommandParser
 from stoker.errors import StokerError
 
 SUBCOMMANDS = (train, demo, doctor, tune, data, explain, report)
@@ -24,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Each subcommand's parser reports its own errors with its own usage.
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=CommandParser
+    )
     for module in SUBCOMMANDS:
         module.add_parser(subparsers, parents=[common])
     return parser

@@ -1,8 +1,60 @@
-"""Command-line flags shared by the subcommands that train."""
+"""The subcommands' parser, and the arguments and flags they share."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: overrides anywhere after CONFIG, and its own usage in errors.
+
+    argparse reads positionals in one run, so ``CONFIG --resume DIR train.epochs=4`` left
+    ``train.epochs=4`` over; a parser made ``intermixed`` (by :func:`add_overrides`) reads
+    the options first and then every positional in the order typed
+    (``parse_intermixed_args``), wherever the options fall between them. And argparse
+    hands a subcommand's unknown arguments up to ``stoker``'s own parser, whose error shows
+    ``usage: stoker [-h] COMMAND``; here the subcommand reports them with its own usage.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.intermixed = False
+        self._in_intermixed = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._in_intermixed or not self.intermixed:
+            parsed, extras = super().parse_known_args(args, namespace)
+        else:
+            # parse_known_intermixed_args calls this method twice: plainly, for its passes.
+            self._in_intermixed = True
+            try:
+                parsed, extras = self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._in_intermixed = False
+        if extras and not self._in_intermixed:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def add_config_and_overrides(parser: argparse.ArgumentParser, *, example: str) -> None:
+    """``CONFIG [KEY=VALUE ...]``; the overrides may come before, between or after options."""
+    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
+    overrides = parser.add_argument(
+        "overrides",
+        metavar="KEY=VALUE",
+        nargs="*",
+        help=f"config overrides, anywhere after CONFIG, e.g. {example}",
+    )
+    # Else a missing CONFIG reads "required: CONFIG, KEY=VALUE" when options are intermixed.
+    overrides.required = False
+    if isinstance(parser, CommandParser):
+        parser.intermixed = True
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,5 +95,25 @@ def progress_mode(args: argparse.Namespace) -> str:
 
 
 def run_dir_overrides(args: argparse.Namespace) -> list[str]:
-    """``--run-dir`` as a config override, so the resolved config records it."""
-    return [f"tracking.run_dir={args.run_dir}"] if args.run_dir else []
+    """``--run-dir`` as a config override, so the resolved config records it.
+
+    The folder goes in as a quoted YAML string (JSON is YAML): a name such as ``a: b``
+    or ``2024`` stays the folder's name instead of becoming a mapping or a number.
+    """
+    return [f"tracking.run_dir={json.dumps(args.run_dir)}"] if args.run_dir else []
+
+
+def resume_template(command: Sequence[str], overrides: Sequence[str]) -> str:
+    """The command that resumes a run, with ``{run_dir}`` where the run dir goes.
+
+    ``command`` is what started the run without its overrides (``stoker train CONFIG``);
+    the overrides follow ``--resume``, so the resumed run has the same config
+    (``train.epochs=20`` included). Each word is shell-quoted, and braces are doubled so
+    that ``str.format`` fills in only the run dir (``stoker.train.rundir.resume_command``).
+    """
+    tail = f" {_escape(shlex.join(overrides))}" if overrides else ""
+    return f"{_escape(shlex.join(command))} --resume {{run_dir}}{tail}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")

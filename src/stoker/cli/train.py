@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 
-from stoker.cli.options import add_run_flags, progress_mode, run_dir_overrides
+from stoker.cli.options import (
+    add_config_and_overrides,
+    add_run_flags,
+    progress_mode,
+    resume_template,
+    run_dir_overrides,
+)
 from stoker.config import RunConfig, load_config
 from stoker.distributed.launch import inside_torchrun, launch_local
-from stoker.train.rundir import create_run_dir
+from stoker.train.rundir import create_run_dir, resume_command
 from stoker.train.session import train_run
 
 
@@ -18,15 +23,14 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         "train",
         parents=parents,
         help="train from a YAML run config",
-        description="Train from a YAML run config. Any key can be overridden as key.sub=value.",
+        description=(
+            "Train from a YAML run config. Any key can be overridden as key.sub=value, "
+            "anywhere after CONFIG. `--resume RUN_DIR train.epochs=N` extends a run to N "
+            "epochs. Relative paths in the config resolve from its folder; those in "
+            "overrides and flags from the current folder."
+        ),
     )
-    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
-    parser.add_argument(
-        "overrides",
-        metavar="KEY=VALUE",
-        nargs="*",
-        help="config overrides, e.g. train.epochs=2 loader.batch_size=128",
-    )
+    add_config_and_overrides(parser, example="train.epochs=2 loader.batch_size=128")
     add_run_flags(parser)
     parser.add_argument(
         "--nproc",
@@ -52,13 +56,11 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, config)
     # Under torchrun the run resumes on as many processes as it has now.
     world = os.environ.get("WORLD_SIZE", "1")
-    nproc = f" --nproc {world}" if world not in ("", "1") else ""
-    resume_hint = f"stoker train {shlex.quote(args.config)}{nproc} --resume {{run_dir}}"
     result = train_run(
         config,
         resume=args.resume,
         progress=progress_mode(args),
-        resume_hint=resume_hint,
+        resume_hint=_resume_template(args, nproc=int(world) if world not in ("", "1") else None),
         allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
     )
@@ -77,10 +79,15 @@ def _launch(args: argparse.Namespace, config: RunConfig) -> int:
         worker += ["--run-dir", str(run_dir)]
     worker += [flag for flag, on in _passed_flags(args) if on]
     worker += ["--progress", args.progress] if not args.quiet else []
-    resume = f"stoker train {shlex.quote(args.config)} --nproc {args.nproc} --resume {run_dir}"
+    resume = resume_command(_resume_template(args, nproc=args.nproc), run_dir)
     return launch_local(
         worker, nproc=args.nproc, max_restarts=args.max_restarts, resume_hint=resume
     )
+
+
+def _resume_template(args: argparse.Namespace, *, nproc: int | None) -> str:
+    command = ["stoker", "train", args.config, *(["--nproc", str(nproc)] if nproc else [])]
+    return resume_template(command, args.overrides)
 
 
 def _passed_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from stoker.cli.options import add_config_and_overrides
 from stoker.config import load_config
 from stoker.errors import ConfigError
 from stoker.observe.tune import TuneResult, tune, write_loader_settings
@@ -31,10 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
             "measured longer; two short training runs then confirm the winner."
         ),
     )
-    parser.add_argument("config", metavar="CONFIG", help="the run config (YAML)")
-    parser.add_argument(
-        "overrides", metavar="KEY=VALUE", nargs="*", help="config overrides, as for train"
-    )
+    add_config_and_overrides(parser, example="loader.num_workers=2")
     parser.add_argument(
         "--write",
         action="store_true",

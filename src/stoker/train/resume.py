@@ -10,6 +10,7 @@ running metrics. All of it is tensors and plain data, so it loads with
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 from collections.abc import Iterator
@@ -177,14 +178,63 @@ RESUME_KEYS = (
 )
 
 
-def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: saved → now`` for every resume-relevant config value that changed."""
+def resume_mismatches(
+    saved: dict[str, Any], current: dict[str, Any], *, steps_per_epoch: int | None = None
+) -> list[str]:
+    """``key: saved → now`` for every resume-relevant config value that changed.
+
+    ``train.epochs`` (and ``train.max_steps``) may change: ``--resume RUN_DIR
+    train.epochs=N`` extends a run, and the extension is exact, bitwise what a run of N
+    epochs from the start gives, when the lr schedule does not span the run's length. A
+    cosine or one-cycle schedule without ``schedule.total_steps`` does: its horizon
+    follows the run's length, so the epochs already trained followed another curve, and
+    that is reported here too. ``steps_per_epoch`` is the optimizer steps in an epoch
+    (None for data without a length).
+    """
     changed = []
     for path in RESUME_KEYS:
         before, now = _lookup(saved, path), _lookup(current, path)
         if before != now:
             changed.append(f"{'.'.join(path)}: {before!r} in the checkpoint, {now!r} now")
+    before = schedule_horizon(saved, steps_per_epoch=steps_per_epoch)
+    now = schedule_horizon(current, steps_per_epoch=steps_per_epoch)
+    if before is not None and now is not None and before != now:
+        name = _lookup(current, ("schedule", "name"))
+        changed.append(
+            f"the lr schedule's length: {name} over {before} steps in the checkpoint, {now} "
+            "now, as it spans the whole run (train.epochs, train.max_steps); an extension is "
+            "exact with a fixed schedule.total_steps, and --allow-config-change continues "
+            f"on the {now}-step curve from the step reached"
+        )
     return changed
+
+
+def schedule_horizon(config: dict[str, Any], *, steps_per_epoch: int | None) -> int | None:
+    """The optimizer steps a decaying schedule spans when the run's length sets them.
+
+    None when the schedule does not depend on the run's length: ``constant`` and
+    ``step`` (warmup included), or a ``schedule.total_steps`` given. This mirrors the
+    horizon ``stoker.train.optim.lr_multiplier`` gets from the session's total steps.
+    """
+    schedule = config.get("schedule") or {}
+    if schedule.get("name") not in ("cosine", "onecycle") or schedule.get("total_steps"):
+        return None
+    train = config.get("train") or {}
+    max_steps = train.get("max_steps")
+    if steps_per_epoch is None:
+        total = max_steps or 1
+    else:
+        total = steps_per_epoch * int(train.get("epochs") or 0)
+        total = min(total, max_steps) if max_steps else total
+    return max(1, total - int(schedule.get("warmup_steps") or 0))
+
+
+def steps_per_epoch(loader: Any, *, grad_accum_steps: int) -> int | None:
+    """Optimizer steps in one epoch of ``loader``; None for data without a length."""
+    try:
+        return math.ceil(len(loader) / grad_accum_steps)
+    except TypeError:
+        return None
 
 
 def _lookup(config: dict[str, Any], path: tuple[str, ...]) -> Any:

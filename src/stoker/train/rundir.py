@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -32,3 +33,12 @@ def create_run_dir(run_dir: str | Path | None, *, root: str | Path, name: str) -
         )
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def resume_command(template: str, run_dir: str | Path) -> str:
+    """``template``'s ``{run_dir}`` filled in, shell-quoted: a command to paste as printed.
+
+    A run dir with a space (or any character a shell reads) comes out quoted, so the
+    printed ``stoker train ... --resume '<run dir>'`` works as it stands.
+    """
+    return template.format(run_dir=shlex.quote(str(run_dir)))

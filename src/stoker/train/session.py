@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,13 @@ from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.pipeline import UserComponents, build_pipeline
 from stoker.train.precision import build_precision
-from stoker.train.resume import ResumableParts, resume_mismatches, stop_on_signals
-from stoker.train.rundir import create_run_dir
+from stoker.train.resume import (
+    ResumableParts,
+    resume_mismatches,
+    steps_per_epoch,
+    stop_on_signals,
+)
+from stoker.train.rundir import create_run_dir, resume_command
 from stoker.train.state import TrainState, seed_everything
 
 logger = logging.getLogger("stoker")
@@ -175,6 +181,9 @@ def _train_run(
             allow=allow_config_change,
             saved_world=bundle.get("world_size", 1),
             world=dist.world_size,
+            steps_per_epoch=steps_per_epoch(
+                train_loader, grad_accum_steps=config.train.grad_accum_steps
+            ),
         )
     checkpointer = None
     if dist.is_main:
@@ -332,7 +341,7 @@ def _train_run(
             export_safetensors(model, run_dir / "model.safetensors", state=whole)
     except TrainingInterrupted as stopped:
         stopped.hint = (
-            f"resume with: {(resume_hint or '--resume {run_dir}').format(run_dir=run_dir)}"
+            f"resume with: {resume_command(resume_hint or '--resume {run_dir}', run_dir)}"
         )
         raise
     finally:
@@ -373,9 +382,15 @@ def _prefetch(setting: bool | str, device: torch.device) -> bool:
 
 
 def _check_resume_config(
-    saved: dict[str, Any], config: RunConfig, *, allow: bool, saved_world: int = 1, world: int = 1
+    saved: dict[str, Any],
+    config: RunConfig,
+    *,
+    allow: bool,
+    saved_world: int = 1,
+    world: int = 1,
+    steps_per_epoch: int | None = None,
 ) -> None:
-    changed = resume_mismatches(saved, config.to_dict())
+    changed = resume_mismatches(saved, config.to_dict(), steps_per_epoch=steps_per_epoch)
     if saved_world != world:
         changed.append(f"world size (processes): {saved_world} in the checkpoint, {world} now")
     if not changed:
@@ -536,7 +551,7 @@ def _load_resume_bundle(resume: str | Path) -> dict[str, Any] | None:
 def _say_where(view: Any, run_dir: Path, resume_hint: str | None) -> None:
     view.message(f"run dir: {run_dir}")
     if resume_hint:
-        view.message(f"resume:  {resume_hint.format(run_dir=run_dir)}")
+        view.message(f"resume:  {resume_command(resume_hint, run_dir)}")
     if (run_dir / "tb").is_dir():
-        view.message(f"view:    tensorboard --logdir {run_dir / 'tb'}")
+        view.message(f"view:    tensorboard --logdir {shlex.quote(str(run_dir / 'tb'))}")
     view.message(f"report:  {run_dir / 'report.html'}")
