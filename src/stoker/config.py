@@ -69,7 +69,9 @@ class DataConfig(Section):
         "error",
         description="`error`: stop at a malformed record; `skip`: log it to bad_records.jsonl.",
     )
-    max_bad_records: PositiveInt = Field(1000, description="Stop after more skips than this.")
+    max_bad_records: PositiveInt = Field(
+        1000, description="Stop after more distinct bad records than this (train and val together)."
+    )
     max_consecutive_bad_records: PositiveInt = Field(
         100, description="Stop after more skips in a row than this."
     )
