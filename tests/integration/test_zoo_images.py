@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,12 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "images"
 
 
 def stoker(*args: str) -> subprocess.CompletedProcess[str]:
+    # One intra-op thread: the suite runs a pytest worker per core, and these small convs
+    # on two threads of a busy core were measured 5-10x slower (each op waits for both).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "stoker.cli.main", *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
 
 
@@ -46,8 +50,8 @@ def test_digits_png_trains_on_one_channel_and_inspect_shows_the_folder(tmp_path:
         "digits.yaml", tmp_path / "run", "train.epochs=2", f"data.train.args.root={data}"
     )
     assert len(epochs) == 2
-    # Ten classes: chance is 0.1; two short epochs of the CNN already pass 0.8.
-    assert epochs[-1]["val/accuracy"] >= 0.8
+    # Ten classes: chance is 0.1; two epochs measured 0.936 and 0.939 (seeds 0 and 1).
+    assert epochs[-1]["val/accuracy"] >= 0.85
     assert epochs[-1]["train/loss"] < epochs[0]["train/loss"]
     assert len(list(data.glob("*/*.png"))) == 1797 and (data / "stoker-example.json").is_file()
 
@@ -70,8 +74,8 @@ def test_shapes_png_trains_with_augmentation_on_rgb(tmp_path: Path) -> None:
         f"data.train.args.root={data}", f"data.val.args.root={data}",
     )  # fmt: skip
     assert len(epochs) == 2
-    # Four classes: chance is 0.25.
-    assert epochs[-1]["val/accuracy"] >= 0.6
+    # Four classes: chance is 0.25; two epochs measured 0.975 and 0.985 (seeds 0 and 1).
+    assert epochs[-1]["val/accuracy"] >= 0.85
     assert len(list((data / "train").glob("*/*.png"))) == 2000
     assert len(list((data / "val").glob("*/*.png"))) == 400
     with Image.open(next((data / "val" / "circle").glob("*.png"))) as image:

@@ -192,7 +192,9 @@ def _mode_advice(kept: set[str]) -> str:
             "image_folder args to convert every image to one mode; mode: keep would stop "
             "at the first file unlike the others"
         )
-    (mode,) = kept or {"RGB"}
+    if not kept:
+        return "mode: no file could be read, so none can be suggested"
+    (mode,) = kept
     if mode == "RGB":
         return "mode: every file is RGB, so keep and RGB (the default) give 3 channels"
     named = f" or {mode}" if mode in IMAGE_MODES else ""

@@ -173,7 +173,7 @@ class ImageFolder(Dataset):
             f"image folder {str(self.root)!r} mixes image modes under mode=keep: {path} is "
             f"{found} ({_bands(found)}) but {first_path} is {first_mode} "
             f"({_bands(first_mode)}); one batch cannot hold both.",
-            hint="set mode: RGB in the image_folder args (data.train.args.mode=RGB), or "
+            hint="set mode: RGB in the image_folder args (e.g. data.train.args.mode=RGB), or "
             "mode: L for grayscale, so every image is converted to one mode",
         )
 
