@@ -9,6 +9,7 @@ from stoker.data.fingerprint import Fingerprint, fingerprint_dataset, fingerprin
 from stoker.data.images import ImageFolder
 from stoker.data.loader import EpochLoader, SamplerName, build_loader
 from stoker.data.memmap import NpyDataset
+from stoker.data.packing import PackedBlocks, pack_documents
 from stoker.data.parquet import ParquetDataset
 from stoker.data.records import BadRecordLog, BadSample
 from stoker.data.samplers import BlockShuffleSampler, EpochRandomSampler, epoch_seed
@@ -49,6 +50,7 @@ __all__ = [
     "LengthBucketBatchSampler",
     "Normalize",
     "NpyDataset",
+    "PackedBlocks",
     "PadCollate",
     "ParquetDataset",
     "RandomCrop",
@@ -69,6 +71,7 @@ __all__ = [
     "fingerprint_dataset",
     "fingerprint_files",
     "move_to_device",
+    "pack_documents",
     "pad_collate",
     "passthrough",
     "resolve_device",

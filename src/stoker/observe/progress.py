@@ -107,7 +107,13 @@ def format_epoch_summary(epoch: int, epochs: int | None, summary: Mapping[str, f
 
 
 _HEADLINE_KEYS = frozenset(
-    {"lr", "time/epoch_s", "time/data_stall_pct", "throughput/samples_per_s"}
+    {
+        "lr",
+        "time/epoch_s",
+        "time/data_stall_pct",
+        "throughput/samples_per_s",
+        "throughput/tokens_per_s",
+    }
 )
 
 

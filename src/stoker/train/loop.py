@@ -350,6 +350,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     epoch_norms = 0
     loop.timer.reset()
     steps = consumed = 0
+    samples_before = state.samples_seen
     if loop.resume_in_epoch is not None:
         # The loader already skips the batches trained on before the restart.
         resumed, loop.resume_in_epoch = loop.resume_in_epoch, None
@@ -415,7 +416,13 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         # The mean of the norms measured (see StepWindow), not of every step's.
         record["grad/norm"] = epoch_norm_sum.item() / epoch_norms
     record["time/epoch_s"] = epoch_s
-    record["throughput/samples_per_s"] = metrics.samples / epoch_s if epoch_s > 0 else 0.0
+    per_s = 1 / epoch_s if epoch_s > 0 else 0.0
+    if loop.normalize == "tokens":
+        # The metrics count real tokens (what the loss averages over); samples the state.
+        record["throughput/tokens_per_s"] = metrics.samples * per_s
+        record["throughput/samples_per_s"] = (state.samples_seen - samples_before) * per_s
+    else:
+        record["throughput/samples_per_s"] = metrics.samples * per_s
     record.update(timing_record(loop.timer.summary()))
     record.update(loop.system.sample(num_workers=_num_workers(loop.train_loader)))
     record.update(loop.numerics.epoch_record(loss_scale=loop.precision.loss_scale()))

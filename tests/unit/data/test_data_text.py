@@ -186,3 +186,65 @@ def test_text_list_dataset() -> None:
         TextListDataset(["a", "b"], [0], tokenizer=tokenizer)
     with pytest.raises(DataError, match="class names"):
         TextListDataset(["a", "b"], [0, "x"], tokenizer=tokenizer)
+
+
+# -- the text examples: the standard-library corpus and the classifier ----------------
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gru", "transformer"])
+def test_text_classifier_ignores_how_much_padding_a_batch_has(kind: str) -> None:
+    from stoker.data.collate import pad_collate
+    from stoker.examples.models import TextClassifier
+
+    model = TextClassifier(257, 3, embed_dim=16, hidden=16, kind=kind).eval()
+    generator = torch.Generator().manual_seed(0)
+    texts = [torch.randint(1, 257, (n,), generator=generator) for n in (5, 9, 12)]
+    tight = pad_collate(texts)  # padded to 12
+    loose = pad_collate(texts, pad_to_multiple_of=40)  # padded to 40
+    assert tight["input_ids"].shape == (3, 12) and loose["input_ids"].shape == (3, 40)
+    with torch.no_grad():
+        assert torch.allclose(model(**tight), model(**loose), atol=1e-5)
+        # Alone, each text gets the prediction it gets in the batch.
+        alone = torch.cat([model(**pad_collate([t])) for t in texts])
+        assert torch.allclose(alone, model(**tight), atol=1e-5)
+
+
+def test_the_reverse_gru_reads_each_text_backwards_before_its_padding() -> None:
+    from stoker.examples.models import _reverse_index
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    values = torch.arange(15.0).view(3, 5, 1)
+    reversed_rows = values.gather(1, _reverse_index(mask, values)).squeeze(-1)
+    assert reversed_rows.tolist() == [
+        [2, 1, 0, 3, 4],
+        [9, 8, 7, 6, 5],
+        [10, 11, 12, 13, 14],
+    ]
+
+
+def test_stdlib_docstrings_are_parsed_once_per_process() -> None:
+    from stoker.examples.text import _package_docstrings, stdlib_docstrings
+
+    first = stdlib_docstrings()
+    misses = _package_docstrings.cache_info().misses
+    second = stdlib_docstrings()
+    assert _package_docstrings.cache_info().misses == misses  # no file read again
+    assert first == second and len(first[0]) > 1000
+    assert max(len(t) for t in first[0]) == 400  # cut to max_chars
+    whole, _ = stdlib_docstrings(max_chars=None)
+    assert max(len(t) for t in whole) > 400
+
+
+def test_stdlib_lm_blocks_split_documents_and_use_byte_ids_with_separator_0() -> None:
+    from stoker.examples.text import stdlib_docstrings, stdlib_lm_blocks
+
+    train = stdlib_lm_blocks(split="train", block_size=64)
+    val = stdlib_lm_blocks(split="val", block_size=64)
+    texts, _ = stdlib_docstrings(max_chars=None)
+    documents = int((train.tokens == 0).sum()) + int((val.tokens == 0).sum())
+    assert documents == len(texts)  # every document once, in one split or the other
+    assert int((val.tokens == 0).sum()) == round(0.1 * len(texts))
+    assert int(train.tokens.max()) <= 256 and train.block_size == 64
+    assert train[0][0].shape == (64,)
+    with pytest.raises(ConfigError, match="split"):
+        stdlib_lm_blocks(split="test")
