@@ -28,3 +28,29 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     history = [line.split() for line in lines[result_line + 1 :]]
     assert [int(row[0]) for row in history] == list(range(1, 11))  # epochs count from 1
     assert all(len(row) == 6 for row in history)
+
+
+def test_the_first_steps_say_how_to_run_stoker_before_using_it() -> None:
+    """`make demo` leaves `stoker` in .venv/bin, not on the PATH: say so where it is first used."""
+    text = README.read_text()
+    first_use = text.index("stoker demo ")  # the first `stoker ...` command line in the tour
+    before = text[:first_use]
+    assert ".venv/bin/stoker" in before
+    assert "source .venv/bin/activate" in before
+
+
+def test_every_example_config_is_listed_and_every_listed_one_exists() -> None:
+    """The README's examples are the ones in examples/ (the exercises have their own page)."""
+    root = README.parent
+    text = README.read_text()
+    named = set(re.findall(r"examples/[\w/.-]+\.yaml", text))
+    assert named, "the README names no example config"
+    missing = sorted(path for path in named if not (root / path).is_file())
+    assert not missing, f"the README names configs that do not exist: {missing}"
+    shipped = {
+        path.relative_to(root).as_posix()
+        for path in (root / "examples").rglob("*.yaml")
+        if "exercises" not in path.parts
+    }
+    unlisted = sorted(shipped - named)
+    assert not unlisted, f"example configs the README does not list: {unlisted}"
