@@ -14,7 +14,16 @@ from bitwise import assert_bitwise_equal
 from stoker.checkpoint import find_latest, load_checkpoint
 
 CHILD = Path(__file__).with_name("resume_child.py")
-KILL_POINTS = ["step:0", "step:4", "epoch_end:0", "step:13", "after_last"]
+# Mid-epoch, at an epoch's end and after the last step in `make test`; two more mid-epoch
+# points (the first step; the second epoch) in `make bench`'s slow run: the same resume
+# path at other positions, ~10 s of two processes each.
+KILL_POINTS = [
+    pytest.param("step:0", marks=pytest.mark.slow),
+    "step:4",
+    "epoch_end:0",
+    pytest.param("step:13", marks=pytest.mark.slow),
+    "after_last",
+]
 
 
 def _run(run_dir: Path, workers: int, kill_at: str, *, resume: bool = False):
