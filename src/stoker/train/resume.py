@@ -200,9 +200,12 @@ def resume_mismatches(
     now = schedule_horizon(current, steps_per_epoch=steps_per_epoch)
     if before is not None and now is not None and before != now:
         name = _lookup(current, ("schedule", "name"))
+        warmup = int(_lookup(current, ("schedule", "warmup_steps")) or 0)
+        after_warmup = f" after {warmup} warmup steps" if warmup else ""
         changed.append(
-            f"the lr schedule's length: {name} over {before} steps in the checkpoint, {now} "
-            "now, as it spans the whole run (train.epochs, train.max_steps); an extension is "
+            f"the lr schedule's length: {name} decaying over {before} steps{after_warmup} in "
+            f"the checkpoint, {now} now, as it spans the whole run (train.epochs, "
+            "train.max_steps); an extension is "
             "exact with a fixed schedule.total_steps, and --allow-config-change continues "
             f"on the {now}-step curve from the step reached"
         )

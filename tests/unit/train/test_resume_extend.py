@@ -40,7 +40,7 @@ def test_more_epochs_are_a_mismatch_only_when_the_schedule_spans_the_run() -> No
     spans = config({"name": "cosine", "warmup_steps": 20}, epochs=2)
     longer = {**spans, "train": {"epochs": 6}}
     (line,) = resume_mismatches(spans, longer, steps_per_epoch=23)
-    assert "cosine over 26 steps in the checkpoint, 118 now" in line
+    assert "cosine decaying over 26 steps after 20 warmup steps in the checkpoint, 118 now" in line
     assert "schedule.total_steps" in line and "--allow-config-change" in line
 
 
@@ -74,7 +74,7 @@ def test_extending_a_cosine_over_the_whole_run_is_refused_then_allowed(
     stoker.fit(model(), data, epochs=1, run_dir=tmp_path, **options)
     with pytest.raises(ConfigError) as info:
         stoker.fit(model(), data, epochs=2, resume=tmp_path, **options)
-    assert "cosine over 8 steps in the checkpoint, 16 now" in str(info.value)
+    assert "cosine decaying over 8 steps in the checkpoint, 16 now" in str(info.value)
     allowed = stoker.fit(
         model(), data, epochs=2, resume=tmp_path, allow_config_change=True, **options
     )
