@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -302,6 +305,30 @@ def test_measure_fetch_tells_waiting_from_computing() -> None:
     )
     assert batched is not None and batched.supports_batched
     assert batched.batched_per_sample_s is not None
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux scheduler statistics"
+)
+def test_a_fetch_that_computes_reads_as_computing_on_a_busy_machine() -> None:
+    """Other processes on every core must not make a decode look like a wait on I/O."""
+    cores = len(os.sched_getaffinity(0))
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\n"
+                          "while time.time() < end: pass"])
+        for _ in range(cores + 1)
+    ]  # fmt: skip
+    try:
+        time.sleep(0.3)  # the hogs are running
+        busy = measure_fetch(_Busy(), batch_size=8, collate_fn=None, seconds=0.3)
+        sleepy = measure_fetch(_Sleepy(), batch_size=8, collate_fn=None, seconds=0.3)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert busy is not None and sleepy is not None
+    assert busy.cpu_share > 0.8  # CPU time over wall time alone read ~0.4-0.5 here
+    assert sleepy.cpu_share < 0.3
 
 
 def test_run_doctor_end_to_end_on_a_tiny_config(tmp_path, monkeypatch) -> None:
