@@ -123,11 +123,16 @@ def test_summary_table_lines() -> None:
 
 def test_system_monitor_reports_cpu_and_memory() -> None:
     monitor = SystemMonitor(torch.device("cpu"))
-    deadline = time.perf_counter() + 0.2
-    while time.perf_counter() < deadline:  # busy: this process uses ~one core
+    wall_started, cpu_started = time.perf_counter(), time.process_time()
+    deadline = cpu_started + 0.2
+    while time.process_time() < deadline:  # busy for 0.2 s of this process's CPU time
         pass
     record = monitor.sample(num_workers=3)
-    assert record["system/cpu_pct"] > 30
+    # What the process got of a core, measured alongside: on a machine busy with other
+    # work it is less than one core, so the bar is the share it really had, not a constant.
+    had_pct = 100 * (time.process_time() - cpu_started) / (time.perf_counter() - wall_started)
+    assert record["system/cpu_pct"] == pytest.approx(had_pct, abs=10)
+    assert record["system/cpu_pct"] > 5
     assert record["loader/num_workers"] == 3
     assert record["system/peak_rss_mib"] >= record["system/rss_mib"] * 0.5 > 0
     assert peak_rss_mib() > 10
