@@ -15,17 +15,32 @@ from stoker.errors import CheckpointError
 __all__ = ["export_safetensors", "load_safetensors_into", "unwrap_model"]
 
 
+def model_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The torch.compile and (Distributed)DataParallel wrappers around the user's model,
+    outermost first (empty for a plain model)."""
+    found = []
+    while True:
+        # torch.compile's OptimizedModule keeps the user's module as `_orig_mod`: the one
+        # private attribute read here, with a plain module as the fallback.
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            is_parallel = isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel)
+            inner = model.module if is_parallel else None
+        if inner is None:
+            return found
+        found.append(model)
+        model = inner
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strips torch.compile and (Distributed)DataParallel wrappers, so keys match the model."""
-    while True:
-        # torch.compile's OptimizedModule keeps the user's module as `_orig_mod`.
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-        elif isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            model = model.module
-        else:
-            return model
+    wrappers = model_wrappers(model)
+    return _inner(wrappers[-1]) if wrappers else model
+
+
+def _inner(wrapper: nn.Module) -> nn.Module:
+    inner = getattr(wrapper, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else wrapper.module
 
 
 def export_safetensors(

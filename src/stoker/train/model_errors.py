@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stoker.checkpoint.export import unwrap_model
+from stoker.checkpoint.export import model_wrappers, unwrap_model
 from stoker.errors import ModelError
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ _CONVS = (
     *(nn.Conv1d, nn.Conv2d, nn.Conv3d),
     *(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
 )
+#: Wrappers that call the user's module as it is (any other wrapper is torch.compile's).
+_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 _SPATIAL = {1: "L", 2: "H, W", 3: "D, H, W"}
 #: The dimensions a batch norm takes, by class (the channels are always dimension 1).
 _BATCH_NORM_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
@@ -101,7 +103,7 @@ def explain_model_failure(error: Exception, model: nn.Module, inputs: Any) -> Mo
 
 def _explain(error: Exception, model: nn.Module, inputs: Any) -> ModelError:
     site = find_failing_module(error, model)
-    compiled = any(hasattr(wrapper, "_orig_mod") for wrapper in _wrappers(model))
+    compiled = any(not isinstance(wrapper, _PARALLEL) for wrapper in model_wrappers(model))
     if site is None or site.in_wrapper or compiled:
         # A compiled model's traceback holds the compiler's frames: run it eagerly once.
         eager = _eager_error(model, inputs)
@@ -147,7 +149,7 @@ def find_failing_module(error: BaseException, model: nn.Module) -> Site | None:
     names: dict[int, str] = {}
     for name, module in plain.named_modules(remove_duplicate=False):
         names.setdefault(id(module), f"model.{name}" if name else "model")
-    wrappers = {id(wrapper) for wrapper in _wrappers(model)}  # DDP or compile around it
+    wrappers = {id(wrapper) for wrapper in model_wrappers(model)}  # DDP or compile around it
     for wrapper_id in wrappers:
         names.setdefault(wrapper_id, "model")
     frames: list[FrameType] = []
@@ -173,20 +175,6 @@ def find_failing_module(error: BaseException, model: nn.Module) -> Site | None:
     args, kwargs = _arguments(frames[call])
     in_wrapper = id(module) in wrappers
     return Site(names[id(module)], module, args, kwargs, in_wrapper=in_wrapper)
-
-
-def _wrappers(model: nn.Module) -> list[nn.Module]:
-    """The wrappers around the user's model, outermost first: those ``unwrap_model`` strips."""
-    found = []
-    while True:
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            is_parallel = isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel)
-            inner = model.module if is_parallel else None
-        if inner is None:
-            return found
-        found.append(model)
-        model = inner
 
 
 def _owner(frame: FrameType, names: Mapping[int, str]) -> nn.Module | None:
