@@ -282,7 +282,7 @@ class PlainProgress:
 
     Besides each epoch's summary line and the messages, a progress line comes every
     ``every_s`` seconds (and every ``every_steps`` steps, when set), mid-epoch too:
-    ``epoch 2/10  step 120/469 (26%)  loss 0.4123  812 samples/s  ETA 0:42  run ETA 6:10``.
+    ``step 120/469 (26%) in epoch 2/10  loss 0.4123  812 samples/s  ETA 0:42  run ETA 6:10``.
     The clock runs across epochs, so short epochs still get a line every ``every_s``.
     """
 
@@ -344,12 +344,14 @@ class PlainProgress:
     def progress_line(self) -> str:
         """The line a log gets mid-epoch: where the run is, and the time left."""
         eta = self.eta
-        parts = [f"epoch {eta.epoch}/{eta.epochs}" if self._epochs else f"epoch {eta.epoch}"]
+        # Not "epoch …" first: a line that starts so is an epoch's summary, for a reader
+        # and for a grep of the log alike.
+        step = f"step {eta.epoch_done}"
         if eta.epoch_total:
             share = 100 * eta.epoch_done / eta.epoch_total
-            parts.append(f"step {eta.epoch_done}/{eta.epoch_total} ({share:.0f}%)")
-        else:
-            parts.append(f"step {eta.epoch_done}")
+            step = f"step {eta.epoch_done}/{eta.epoch_total} ({share:.0f}%)"
+        epoch = f"epoch {eta.epoch}/{eta.epochs}" if self._epochs else f"epoch {eta.epoch}"
+        parts = [f"{step} in {epoch}"]
         if self._loss is not None:
             parts.append(f"loss {_format_number(self._loss)}")
         if self._samples_per_s is not None:

@@ -79,8 +79,8 @@ def test_plain_progress_writes_a_line_every_n_seconds_mid_epoch() -> None:
         progress.advance(1, loss=0.5 if step == 2 else None, samples_per_s=640.0)
     # Lines at 30 s and 60 s: 3 and 6 steps done at 10 s a step.
     assert stream.getvalue().splitlines() == [
-        "epoch 2/3  step 3/10 (30%)  loss 0.5000  640 samples/s  ETA 1:10  run ETA 2:50",
-        "epoch 2/3  step 6/10 (60%)  loss 0.5000  640 samples/s  ETA 0:40  run ETA 2:20",
+        "step 3/10 (30%) in epoch 2/3  loss 0.5000  640 samples/s  ETA 1:10  run ETA 2:50",
+        "step 6/10 (60%) in epoch 2/3  loss 0.5000  640 samples/s  ETA 0:40  run ETA 2:20",
     ]
     assert not ANSI.search(stream.getvalue())
 
@@ -91,8 +91,8 @@ def test_plain_progress_lines_by_steps_and_across_short_epochs() -> None:
     progress.start_epoch(1, epochs=1, total_steps=10)
     for _ in range(10):
         progress.advance(1)
-    assert [line.split("  ")[1] for line in stream.getvalue().splitlines()] == [
-        "step 4/10 (40%)", "step 8/10 (80%)",
+    assert [line.split("  ")[0] for line in stream.getvalue().splitlines()] == [
+        "step 4/10 (40%) in epoch 1/1", "step 8/10 (80%) in epoch 1/1",
     ]  # fmt: skip
     # Epochs of 5 s each and a line every 12 s: the clock runs on across epochs.
     clock, stream = Clock(), io.StringIO()
@@ -105,7 +105,7 @@ def test_plain_progress_lines_by_steps_and_across_short_epochs() -> None:
         progress.end_epoch(epoch, {"train/loss": 1.0})
     lines = stream.getvalue().splitlines()
     assert [line for line in lines if "ETA" in line] == [
-        "epoch 3/3  step 2/5 (40%)  ETA 0:03  run ETA 0:03",
+        "step 2/5 (40%) in epoch 3/3  ETA 0:03  run ETA 0:03",
     ]
     assert len(lines) == 4  # and the three summary lines
 
@@ -137,9 +137,9 @@ def test_a_plain_run_logs_progress_lines_from_the_config_keys(
     )  # fmt: skip
     lines = [line for line in capsys.readouterr().out.splitlines() if "run ETA" in line]
     # 4 steps an epoch; max_steps=6 ends the run in epoch 2, which the run's ETA counts.
-    assert [line.split("  ")[:2] for line in lines] == [
-        ["epoch 1/2", "step 2/4 (50%)"], ["epoch 1/2", "step 4/4 (100%)"],
-        ["epoch 2/2", "step 2/4 (50%)"],
+    assert [line.split("  ")[0] for line in lines] == [
+        "step 2/4 (50%) in epoch 1/2", "step 4/4 (100%) in epoch 1/2",
+        "step 2/4 (50%) in epoch 2/2",
     ]  # fmt: skip
     assert lines[-1].endswith("run ETA 0:00")
 
