@@ -37,8 +37,10 @@ from stoker.train.precision import build_precision
 __all__ = ["Weights", "evaluate_run", "find_weights", "load_model", "load_run_config", "predict"]
 
 Which = Literal["best", "last"]
-#: The argument of a data spec that names its file or folder, for ``--data`` and INPUT.
-PATH_ARGS = ("path", "root", "paths")
+#: The argument of a data spec that names its file or folder, for ``--data`` and INPUT
+#: (the names ``stoker.config_paths`` resolves as paths, less the ``*_dir`` kind, which
+#: may be a cache's).
+PATH_ARGS = ("path", "paths", "root", "dir", "file", "folder")
 SAFETENSORS = "model.safetensors"
 
 
@@ -284,7 +286,7 @@ def dataset_for(config: RunConfig, path: str | Path) -> Dataset:
     """The run's data spec read from ``path`` instead of the run's own file or folder.
 
     The validation spec (``data.val``) is the template when the run has one, else
-    ``data.train``; its path argument (``path``, ``root`` or ``paths``) is replaced by
+    ``data.train``; its path argument (``path``, ``root``, ``dir``…) is replaced by
     ``path``, and random augmentation (``augment``) is turned off.
     """
     template = config.data.val or config.data.train
