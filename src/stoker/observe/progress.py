@@ -6,21 +6,15 @@ import math
 import numbers
 import sys
 from collections.abc import Mapping
-from typing import Literal, Protocol, TextIO, runtime_checkable
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.progress import Progress as RichBar
-from rich.text import Text
+from typing import TYPE_CHECKING, Literal, Protocol, TextIO, runtime_checkable
 
 from stoker.errors import ConfigError
 from stoker.observe.eta import Eta, format_duration
+
+if TYPE_CHECKING:  # rich loads with the first bar: `stoker report` and logs do without it
+    from rich.console import Console
+    from rich.progress import Progress as RichBar
+    from rich.progress import TaskID
 
 __all__ = [
     "Eta",
@@ -190,7 +184,11 @@ class RichProgress:
             eta: Measures the time left; one that knows the run's steps when ``None``
                 is not enough (``build_progress`` passes the session's).
         """
-        self.console = console if console is not None else Console()
+        if console is None:
+            from rich.console import Console
+
+            console = Console()
+        self.console = console
         self.eta = eta if eta is not None else Eta()
         self._bar: RichBar | None = None
         self._task: TaskID | None = None
@@ -199,6 +197,9 @@ class RichProgress:
 
     def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
         """Starts a new bar for ``epoch``, stopping any bar still running."""
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichBar
+
         self._stop_bar()
         self._epochs = epochs
         done = self.eta.start_epoch(epoch, epochs=epochs, total_steps=total_steps)
@@ -257,6 +258,8 @@ class RichProgress:
         """Removes the bar and prints the epoch's summary line."""
         self._stop_bar()
         line = format_epoch_summary(epoch, self._epochs, summary)
+        from rich.text import Text
+
         text = Text(line)
         head_end = line.find("  ")
         text.stylize("bold", 0, head_end if head_end >= 0 else len(line))
@@ -436,6 +439,8 @@ def build_progress(
         mode = "rich" if _isatty(stream) else "plain"
     eta = Eta(run_steps=run_steps, steps_done=steps_done)
     if mode == "rich":
+        from rich.console import Console
+
         return RichProgress(Console(file=stream), eta=eta)
     if mode == "plain":
         return PlainProgress(stream, every_s=every_s, every_steps=every_steps, eta=eta)
