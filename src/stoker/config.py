@@ -286,6 +286,14 @@ class TrackingConfig(Section):
         None, description="MLflow tracking URI; default: SQLite `mlflow.db` beside the run dirs."
     )
     mlflow_experiment: str = Field("stoker", description="The MLflow experiment's name.")
+    progress_every_s: PositiveFloat | None = Field(
+        30.0,
+        description="Plain progress (a log, CI): a line with the step, loss, samples/s and the "
+        "epoch's and the run's ETA this often, mid-epoch too; null: epoch summaries only.",
+    )
+    progress_every_steps: PositiveInt | None = Field(
+        None, description="Plain progress: also a line every this many optimizer steps."
+    )
 
 
 class DistributedConfig(Section):

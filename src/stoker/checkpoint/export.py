@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import safetensors.torch
@@ -9,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from stoker.checkpoint.io import atomic_path, listing_hint
+from stoker.checkpoint.io import _umask, atomic_path, listing_hint
 from stoker.errors import CheckpointError
 
 __all__ = ["export_safetensors", "load_safetensors_into", "unwrap_model"]
@@ -70,7 +71,24 @@ def export_safetensors(
             safetensors.torch.save_model(unwrap_model(model), str(tmp), metadata={"format": "pt"})
         else:
             safetensors.torch.save_file(_once_each(state), str(tmp), metadata={"format": "pt"})
+        _default_mode(tmp)
     return path
+
+
+def _default_mode(path: Path) -> None:
+    """Give ``path`` the mode any new file gets (0644 under umask 022).
+
+    safetensors writes its own private (0600) file over the one ``atomic_path`` made, so the
+    exported weights came out unreadable to the group that shares the run dir.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.chmod in os.supports_fd:
+            os.fchmod(fd, 0o666 & ~_umask())
+        else:  # Windows: no fchmod, and the mode is only the read-only bit anyway
+            os.chmod(path, 0o666 & ~_umask())
+    finally:
+        os.close(fd)
 
 
 def _once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,13 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from stoker.data import builtins
-from stoker.data.convert import convert_csv
-from stoker.data.fingerprint import fingerprint_dataset, fingerprint_files
-from stoker.data.images import IMAGE_MODES, ImageFolder, ImageSurvey
 from stoker.errors import DataError
+
+# The data modules import torch (two seconds): each verb imports what it needs when it runs,
+# so that `stoker --help` and `stoker data --help` answer at once (see stoker.cli.main).
 
 _SHOWN_CLASSES = 20  # an image folder's classes listed one a line; more are summarized
 _SHOWN_SIZES = 5
@@ -67,6 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from stoker.data.convert import convert_csv
+
     report = convert_csv(
         args.src,
         args.dst,
@@ -82,6 +81,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from stoker.data.fingerprint import fingerprint_dataset, fingerprint_files
+
     path = Path(args.path)
     if not path.exists():
         raise DataError(f"{path} does not exist", hint="give a file or folder of data")
@@ -109,6 +110,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def open_for_inspection(path: Path) -> tuple[Any, str, dict[str, str], list[str]]:
     """The dataset at ``path``, its kind, its schema as {field: description}, more lines."""
+    from stoker.data import builtins
+
     suffixes = {p.suffix for p in _files(path)}
     if path.suffix == ".parquet" or (path.is_dir() and suffixes == {".parquet"}):
         dataset = builtins.parquet(str(path))
@@ -138,6 +141,10 @@ def _image_folder(path: Path) -> tuple[Any, str, dict[str, str], list[str]]:
     The samples shown are decoded as ``mode: keep`` when every file has one mode, so they
     show the files' own channels; a folder of mixed modes is shown as RGB.
     """
+    import torch
+
+    from stoker.data.images import ImageFolder, ImageSurvey
+
     listing = ImageFolder(path, mode="RGB")  # mode named: scans without peeking or notes
     survey = ImageSurvey.of(file for file, _ in listing.samples)
     kept = set(survey.kept_modes)
@@ -186,6 +193,8 @@ def _counted(counts: Any, shown: int) -> str:
 
 def _mode_advice(kept: set[str]) -> str:
     """What `mode` to give image_folder for these files, said once."""
+    from stoker.data.images import IMAGE_MODES
+
     if len(kept) > 1:
         return (
             f"mixed modes ({', '.join(sorted(kept))}): set mode: RGB (or L) in the "
@@ -220,6 +229,8 @@ def _files(path: Path) -> list[Path]:
 
 
 def _show(sample: Any, width: int = 100) -> str:
+    import torch
+
     parts = sample if isinstance(sample, tuple) else (sample,)
     shown = []
     for part in parts:

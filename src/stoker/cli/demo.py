@@ -6,8 +6,6 @@ import argparse
 from importlib import resources
 
 from stoker.cli.options import add_run_flags, progress_mode, resume_template, run_dir_overrides
-from stoker.config import load_config
-from stoker.train.session import train_run
 
 
 def demo_config_path() -> str:
@@ -34,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    from stoker.config import load_config
+    from stoker.train.session import train_run
+
     overrides = list(args.overrides) + run_dir_overrides(args)
     if args.epochs is not None:
         overrides.append(f"train.epochs={args.epochs}")

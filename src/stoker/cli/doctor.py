@@ -7,15 +7,15 @@ import contextlib
 import json
 import math
 import sys
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from stoker.cli.options import add_config_and_overrides
-from stoker.config import load_config
 from stoker.errors import ConfigError
-from stoker.observe.doctor import Diagnosis, run_doctor
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from stoker.observe.doctor import Diagnosis
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
@@ -52,6 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
+    from rich.console import Console
+
+    from stoker.config import load_config
+    from stoker.observe.doctor import run_doctor
+
     if not (args.seconds > 0 and math.isfinite(args.seconds)):
         raise ConfigError(f"--seconds {args.seconds} must be a positive number", hint="--seconds 2")
     if args.max_workers < 0:
@@ -81,6 +87,9 @@ def _rate(value: float | None) -> str:
 
 def print_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
     """The table of stages, the verdict and the recommendation."""
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title="stage ceilings (each measured alone)", title_justify="left")
     table.add_column("stage")
     table.add_column("samples/s", justify="right")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stoker.cli.options import add_config_and_overrides
-from stoker.config import load_config
-from stoker.observe.explain import GraphExplanation, explain_first_batch
+
+if TYPE_CHECKING:
+    from stoker.observe.explain import GraphExplanation
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
@@ -53,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: building a pipeline imports the training stack, which `--help` skips.
+    from stoker.config import load_config
+    from stoker.observe.explain import explain_first_batch
     from stoker.train.pipeline import build_pipeline
     from stoker.train.state import seed_everything
 

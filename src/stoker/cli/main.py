@@ -1,4 +1,10 @@
-"""The ``stoker`` command: parse, dispatch to a subcommand, turn errors into messages."""
+"""The ``stoker`` command: parse, dispatch to a subcommand, turn errors into messages.
+
+Answering fast: the subcommand modules import only argparse at load time and import the
+training stack (torch, about two seconds) inside their ``run``, so ``stoker --help``,
+``--version``, ``config`` and ``report`` start without it; ``tests/unit/test_cli_startup.py``
+checks that torch stays out.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,35 @@ import sys
 from collections.abc import Sequence
 
 from stoker import __version__
-from stoker.cli import data, demo, doctor, explain, report, train, tune
+from stoker.cli import (
+    completion,
+    data,
+    demo,
+    doctor,
+    evaluate,
+    explain,
+    predict,
+    report,
+    train,
+    tune,
+)
+from stoker.cli import config as config_command
 from stoker.cli.options import CommandParser
 from stoker.errors import StokerError
 
-SUBCOMMANDS = (train, demo, doctor, tune, data, explain, report)
+SUBCOMMANDS = (
+    train,
+    demo,
+    evaluate,
+    predict,
+    doctor,
+    tune,
+    data,
+    explain,
+    report,
+    config_command,
+    completion,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

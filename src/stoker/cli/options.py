@@ -117,3 +117,22 @@ def resume_template(command: Sequence[str], overrides: Sequence[str]) -> str:
 
 def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
+
+
+def add_weights_flags(parser: argparse.ArgumentParser) -> None:
+    """``--which``, ``--device`` and ``--batch-size``: how a trained run is used."""
+    parser.add_argument(
+        "--which",
+        choices=("best", "last"),
+        default="best",
+        help="the best checkpoint by train.monitor (default), or the last weights",
+    )
+    parser.add_argument(
+        "--device", metavar="DEVICE", help="cpu, cuda, cuda:1, auto (default: the run's)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help="samples per batch (default: the run's loader.val_batch_size or batch_size)",
+    )

@@ -6,8 +6,6 @@ import argparse
 import logging
 import webbrowser
 
-from stoker.observe.report import write_report
-
 logger = logging.getLogger("stoker")
 
 
@@ -33,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    from stoker.observe.report import write_report
+
     path = write_report(args.run_dir, out=args.out)
     print(path)
     if args.open and not webbrowser.open(path.resolve().as_uri()):

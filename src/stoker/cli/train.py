@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from stoker.cli.options import (
     add_config_and_overrides,
@@ -12,10 +13,9 @@ from stoker.cli.options import (
     resume_template,
     run_dir_overrides,
 )
-from stoker.config import RunConfig, load_config
-from stoker.distributed.launch import inside_torchrun, launch_local
-from stoker.train.rundir import create_run_dir, resume_command
-from stoker.train.session import train_run
+
+if TYPE_CHECKING:
+    from stoker.config import RunConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
+    from stoker.config import load_config
+    from stoker.distributed.launch import inside_torchrun
+    from stoker.train.session import train_run
+
     config = load_config(args.config, [*args.overrides, *run_dir_overrides(args)])
     if args.nproc is not None and not inside_torchrun():
         return _launch(args, config)
@@ -69,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace, config: RunConfig) -> int:
     """Start ``--nproc`` ranks that all write one run dir, made here so they agree on it."""
+    from stoker.distributed.launch import launch_local
+    from stoker.train.rundir import create_run_dir, resume_command
+
     worker = ["train", args.config, *args.overrides]
     if args.resume:
         run_dir = args.resume

@@ -9,15 +9,15 @@ import math
 import shlex
 import sys
 import time
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from stoker.cli.options import add_config_and_overrides
-from stoker.config import load_config
 from stoker.errors import ConfigError
-from stoker.observe.tune import TuneResult, tune, write_loader_settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from stoker.observe.tune import TuneResult
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
@@ -70,6 +70,13 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
+    from rich.console import Console
+    from rich.text import Text
+
+    from stoker.config import load_config
+    from stoker.observe.tune import tune, write_loader_settings
+
     if not (args.budget_s > 0 and math.isfinite(args.budget_s)):
         raise ConfigError(
             f"--budget-s {args.budget_s} must be a positive number", hint="--budget-s 60"
@@ -139,6 +146,9 @@ def _finite(value: object) -> object:
 
 def print_result(result: TuneResult, console: Console) -> None:
     """The candidates table, the winner, the confirmation and the notes."""
+    from rich.table import Table
+    from rich.text import Text
+
     halving = result.halving
     table = Table(
         title=(

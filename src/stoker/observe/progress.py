@@ -6,22 +6,18 @@ import math
 import numbers
 import sys
 from collections.abc import Mapping
-from typing import Literal, Protocol, TextIO, runtime_checkable
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.progress import Progress as RichBar
-from rich.text import Text
+from typing import TYPE_CHECKING, Literal, Protocol, TextIO, runtime_checkable
 
 from stoker.errors import ConfigError
+from stoker.observe.eta import Eta, format_duration
+
+if TYPE_CHECKING:  # rich loads with the first bar: `stoker report` and logs do without it
+    from rich.console import Console
+    from rich.progress import Progress as RichBar
+    from rich.progress import TaskID
 
 __all__ = [
+    "Eta",
     "PlainProgress",
     "Progress",
     "QuietProgress",
@@ -36,6 +32,8 @@ _MODES: tuple[str, ...] = ("auto", "rich", "plain", "quiet")
 # Within train/* and val/*, these come first, in this order; the rest follow sorted.
 _LEADING_NAMES = ("loss", "accuracy")
 _PLACEHOLDER = "-"
+#: Plain progress: a line at least this often within a run, by default (tracking.progress_every_s).
+DEFAULT_EVERY_S = 30.0
 
 
 @runtime_checkable
@@ -173,30 +171,45 @@ def _format_float(value: float, *, spec: str) -> str:
 class RichProgress:
     """A rich progress bar per epoch, replaced by a summary line when the epoch ends.
 
-    The bar shows ``epoch 3/10``, the steps done of the total, the time elapsed and the
-    latest ``loss`` and ``samples/s`` the caller passed to ``advance``.
+    The bar shows ``epoch 3/10``, the steps done of the total, the time elapsed, the
+    time left in the epoch and in the whole run (``ETA 0:42  run 6:10``) and the latest
+    ``loss`` and ``samples/s`` the caller passed to ``advance``.
     """
 
-    def __init__(self, console: Console | None = None) -> None:
+    def __init__(self, console: Console | None = None, *, eta: Eta | None = None) -> None:
         """Keeps the console.
 
         Args:
             console: Where to draw; a default ``rich`` console (stdout) when ``None``.
+            eta: Measures the time left; one that knows the run's steps when ``None``
+                is not enough (``build_progress`` passes the session's).
         """
-        self.console = console if console is not None else Console()
+        if console is None:
+            from rich.console import Console
+
+            console = Console()
+        self.console = console
+        self.eta = eta if eta is not None else Eta()
         self._bar: RichBar | None = None
         self._task: TaskID | None = None
         self._epochs: int | None = None
+        self._eta_at = -math.inf
 
     def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
         """Starts a new bar for ``epoch``, stopping any bar still running."""
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichBar
+
         self._stop_bar()
         self._epochs = epochs
+        done = self.eta.start_epoch(epoch, epochs=epochs, total_steps=total_steps)
+        self._eta_at = -math.inf
         self._bar = RichBar(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("ETA {task.fields[epoch_eta]}  run {task.fields[run_eta]}"),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[samples_per_s]} samples/s"),
             console=self.console,
@@ -210,8 +223,11 @@ class RichProgress:
         self._task = self._bar.add_task(
             f"epoch {epoch}/{epochs}",
             total=total_steps,
+            completed=done,
             loss=_PLACEHOLDER,
             samples_per_s=_PLACEHOLDER,
+            epoch_eta=_PLACEHOLDER,
+            run_eta=_PLACEHOLDER,
         )
         self._bar.start()
 
@@ -225,7 +241,13 @@ class RichProgress:
         """Moves the bar on by ``steps``; does nothing outside an epoch."""
         if self._bar is None or self._task is None:
             return
+        self.eta.advance(steps)
         fields: dict[str, str] = {}
+        now = self.eta.clock()
+        if now - self._eta_at >= 0.2:  # as often as the bar redraws (5 per second)
+            self._eta_at = now
+            fields["epoch_eta"] = format_duration(self.eta.epoch_eta_s())
+            fields["run_eta"] = format_duration(self.eta.run_eta_s())
         if loss is not None:
             fields["loss"] = _format_number(loss)
         if samples_per_s is not None:
@@ -236,6 +258,8 @@ class RichProgress:
         """Removes the bar and prints the epoch's summary line."""
         self._stop_bar()
         line = format_epoch_summary(epoch, self._epochs, summary)
+        from rich.text import Text
+
         text = Text(line)
         head_end = line.find("  ")
         text.stylize("bold", 0, head_end if head_end >= 0 else len(line))
@@ -257,20 +281,48 @@ class RichProgress:
 
 
 class PlainProgress:
-    """Plain text for logs and non-TTY output: summary lines and messages, no bar."""
+    """Plain text for logs and non-TTY output (CI): no bar, but lines a log can show.
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    Besides each epoch's summary line and the messages, a progress line comes every
+    ``every_s`` seconds (and every ``every_steps`` steps, when set), mid-epoch too:
+    ``step 120/469 (26%) in epoch 2/10  loss 0.4123  812 samples/s  ETA 0:42  run ETA 6:10``.
+    The clock runs across epochs, so short epochs still get a line every ``every_s``.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        every_s: float | None = DEFAULT_EVERY_S,
+        every_steps: int | None = None,
+        eta: Eta | None = None,
+    ) -> None:
         """Keeps the stream.
 
         Args:
             stream: Where lines go; ``sys.stdout`` when ``None``.
+            every_s: Seconds between progress lines; None: no timed lines.
+            every_steps: Steps between progress lines; None: none by count.
+            eta: Measures the time left (``build_progress`` passes the session's).
         """
         self.stream = stream if stream is not None else sys.stdout
+        self.eta = eta if eta is not None else Eta()
+        self.every_s = every_s if every_s is not None else math.inf
+        self.every_steps = every_steps
         self._epochs: int | None = None
+        self._line_at: float | None = None
+        self._since_line = 0
+        self._loss: float | None = None
+        self._samples_per_s: float | None = None
 
     def start_epoch(self, epoch: int, *, epochs: int, total_steps: int | None) -> None:
-        """Remembers the number of epochs for the summary line; prints nothing."""
+        """Remembers the epoch for the progress and summary lines; prints nothing."""
         self._epochs = epochs
+        self.eta.start_epoch(epoch, epochs=epochs, total_steps=total_steps)
+        if self._line_at is None:
+            self._line_at = self.eta.clock()  # the first line comes every_s after the start
+        self._since_line = 0
+        self._loss = self._samples_per_s = None
 
     def advance(
         self,
@@ -279,7 +331,37 @@ class PlainProgress:
         loss: float | None = None,
         samples_per_s: float | None = None,
     ) -> None:
-        """Does nothing: a log gets one line per epoch, not one per step."""
+        """Counts the steps; writes a progress line when one is due."""
+        self.eta.advance(steps)
+        self._since_line += steps
+        if loss is not None:
+            self._loss = loss
+        if samples_per_s is not None:
+            self._samples_per_s = samples_per_s
+        now = self.eta.clock()
+        due = self.every_steps is not None and self._since_line >= self.every_steps
+        if due or (self._line_at is not None and now - self._line_at >= self.every_s):
+            self._line_at, self._since_line = now, 0
+            self._write(self.progress_line())
+
+    def progress_line(self) -> str:
+        """The line a log gets mid-epoch: where the run is, and the time left."""
+        eta = self.eta
+        # Not "epoch …" first: a line that starts so is an epoch's summary, for a reader
+        # and for a grep of the log alike.
+        step = f"step {eta.epoch_done}"
+        if eta.epoch_total:
+            share = 100 * eta.epoch_done / eta.epoch_total
+            step = f"step {eta.epoch_done}/{eta.epoch_total} ({share:.0f}%)"
+        epoch = f"epoch {eta.epoch}/{eta.epochs}" if self._epochs else f"epoch {eta.epoch}"
+        parts = [f"{step} in {epoch}"]
+        if self._loss is not None:
+            parts.append(f"loss {_format_number(self._loss)}")
+        if self._samples_per_s is not None:
+            parts.append(f"{_format_float(float(self._samples_per_s), spec='.0f')} samples/s")
+        parts.append(f"ETA {format_duration(eta.epoch_eta_s())}")
+        parts.append(f"run ETA {format_duration(eta.run_eta_s())}")
+        return "  ".join(parts)
 
     def end_epoch(self, epoch: int, summary: Mapping[str, float]) -> None:
         """Writes the epoch's summary line."""
@@ -324,13 +406,27 @@ class QuietProgress:
         """Does nothing."""
 
 
-def build_progress(mode: ProgressMode = "auto", *, stream: TextIO | None = None) -> Progress:
+def build_progress(
+    mode: ProgressMode = "auto",
+    *,
+    stream: TextIO | None = None,
+    every_s: float | None = DEFAULT_EVERY_S,
+    every_steps: int | None = None,
+    run_steps: int | None = None,
+    steps_done: int = 0,
+) -> Progress:
     """Builds the progress display.
 
     Args:
-        mode: ``"rich"`` draws bars, ``"plain"`` writes summary lines only, ``"quiet"``
-            shows nothing, ``"auto"`` is rich on a terminal and plain otherwise.
+        mode: ``"rich"`` draws bars, ``"plain"`` writes summary and progress lines,
+            ``"quiet"`` shows nothing, ``"auto"`` is rich on a terminal and plain otherwise.
         stream: Where to write; ``sys.stdout`` when ``None``.
+        every_s: Plain mode: seconds between progress lines (``tracking.progress_every_s``).
+        every_steps: Plain mode: steps between progress lines, too
+            (``tracking.progress_every_steps``).
+        run_steps: The run's optimizer steps, for the run's ETA (``train.max_steps`` may
+            end it before its last epoch).
+        steps_done: Steps already trained (a resume), so the ETA counts only those left.
 
     Returns:
         The progress display.
@@ -341,10 +437,13 @@ def build_progress(mode: ProgressMode = "auto", *, stream: TextIO | None = None)
     stream = stream if stream is not None else sys.stdout
     if mode == "auto":
         mode = "rich" if _isatty(stream) else "plain"
+    eta = Eta(run_steps=run_steps, steps_done=steps_done)
     if mode == "rich":
-        return RichProgress(Console(file=stream))
+        from rich.console import Console
+
+        return RichProgress(Console(file=stream), eta=eta)
     if mode == "plain":
-        return PlainProgress(stream)
+        return PlainProgress(stream, every_s=every_s, every_steps=every_steps, eta=eta)
     if mode == "quiet":
         return QuietProgress()
     raise ConfigError(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -405,7 +407,7 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def collect_environment() -> dict[str, Any]:
-    """Python, torch and stoker versions, platform, CPUs and CUDA devices of this machine."""
+    """Python, torch and stoker versions, platform, CPUs and (torch imported) CUDA devices."""
     # Imported here: the stoker package imports the training stack, which may import this.
     from stoker import __version__
 
@@ -415,10 +417,14 @@ def collect_environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
     }
-    try:
-        import torch
-    except ImportError:
-        env["torch"] = "not installed"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        # `stoker report` alone: importing torch to ask about CUDA would take two seconds
+        # (see stoker.cli.main); the installed version is in the package's metadata.
+        try:
+            env["torch"] = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            env["torch"] = "not installed"
         return env
     env["torch"] = torch.__version__
     env["cuda"] = torch.version.cuda or "none (CPU build)"

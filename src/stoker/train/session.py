@@ -243,7 +243,16 @@ def _train_run(
         if dist.is_main
         else NullSink()
     )
-    view = build_progress(progress)  # type: ignore[arg-type]
+    view = build_progress(
+        progress,  # type: ignore[arg-type]
+        every_s=tracking.progress_every_s,
+        every_steps=tracking.progress_every_steps,
+        # The run's ETA counts the steps left: max_steps included, a resume's done left out.
+        run_steps=_total_steps(config, train_loader)
+        if _length_or_none(train_loader) is not None
+        else config.train.max_steps,
+        steps_done=state.step,
+    )
     if dist.info.restart_count:
         view.message(f"restarted by torchrun (restart {dist.info.restart_count})")
     if bundle is not None:

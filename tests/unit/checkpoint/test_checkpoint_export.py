@@ -163,3 +163,15 @@ def test_failed_export_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert str(path) in info.value.message
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+@pytest.mark.parametrize("whole_state", [False, True])
+def test_export_gets_the_umask_mode_not_safetensors_0600(tmp_path: Path, whole_state: bool) -> None:
+    model = mlp(0)
+    state = model.state_dict() if whole_state else None
+    path = export_safetensors(model, tmp_path / "model.safetensors", state=state)
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -1,0 +1,115 @@
+"""The CLI answers fast: the commands that need no training stack do not import torch.
+
+Checked by what is imported, not by timing (timings on a shared machine are noise):
+importing torch is most of a slow start (about two seconds), so torch absent from
+``sys.modules`` after the command is the property that keeps ``stoker --help`` fast.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import stoker
+from stoker.cli.main import main
+from stoker.errors import ConfigError
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+_SCRIPT = """
+import contextlib, io, json, sys
+from stoker.cli.main import main
+
+codes = {}
+for argv in ARGVS:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes[" ".join(argv)] = main(argv)
+        except SystemExit as done:  # --help and --version exit from argparse
+            codes[" ".join(argv)] = done.code
+import stoker
+names = [name for name in dir(stoker)]  # listing the package loads nothing
+heavy = sorted(m for m in ("torch", "numpy", "safetensors") if m in sys.modules)
+print(json.dumps({"codes": codes, "heavy": heavy}))
+"""
+
+
+def test_help_version_config_report_and_completion_do_not_import_torch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 0.5}) + "\n")
+    config = str(EXAMPLES / "digits.yaml")
+    argvs = [
+        ["--help"],
+        ["--version"],
+        ["train", "--help"],
+        ["predict", "--help"],
+        ["config", "show", config, "train.epochs=2"],
+        ["config", "validate", config],
+        ["report", str(run_dir)],
+        ["completion", "bash"],
+    ]
+    script = _SCRIPT.replace("ARGVS", repr(argvs))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["codes"].values()) == {0}, result["codes"]
+    assert result["heavy"] == [], f"imported at start: {result['heavy']}"
+    assert (run_dir / "report.html").is_file()
+
+
+def test_the_package_loads_its_names_on_first_use() -> None:
+    assert stoker.__all__ == sorted(stoker.__all__)
+    assert set(stoker.__all__) == {*stoker._EXPORTS, "__version__"}
+    for name in stoker.__all__:
+        assert getattr(stoker, name) is not None, name
+    from stoker import fit, load_model
+
+    assert callable(fit) and callable(load_model)
+    assert set(stoker.__all__) <= set(dir(stoker))
+    with pytest.raises(AttributeError, match="no attribute 'fitt'"):
+        stoker.fitt  # noqa: B018
+
+
+def test_config_show_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    config = EXAMPLES / "images" / "digits.yaml"
+    assert main(["config", "show", str(config), "train.epochs=7"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["train"]["epochs"] == 7
+    assert shown["loader"]["num_workers"] == 0  # a default filled in
+    # A path in the file resolves from the file's folder, as a run reads it.
+    assert shown["model"]["name"] == f"{config.parent.absolute() / 'models.py'}:SmallCNN"
+
+
+def test_config_validate_lists_every_problem_and_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(EXAMPLES / "digits.yaml")
+    assert main(["config", "validate", config]) == 0
+    assert "valid" in capsys.readouterr().out
+    assert main(["config", "validate", config, "train.epochs=0", "loader.batch_size=x"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "train.epochs=0" in err and "loader.batch_size=x" in err
+    with pytest.raises(ConfigError):
+        main(["config", "validate", "--debug", config, "train.epochs=0"])
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_script_knows_the_commands_and_flags(
+    shell: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    for word in ("predict", "evaluate", "--which", "--resume", "completion"):
+        assert word in script, word
+    # Path arguments complete as files (bash: shtab's file completer; zsh: _files).
+    assert ("_shtab_compgen_files" if shell == "bash" else "_files") in script
