@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -242,6 +243,11 @@ def _from_spec(item: str | MetricSpec | Mapping[str, Any], *, field: str) -> Met
         spec = item if isinstance(item, MetricSpec) else MetricSpec.model_validate(item)
     name, args = spec.name, dict(spec.args)
     if ":" in name:
+        if name.startswith("torchmetrics") and importlib.util.find_spec("torchmetrics") is None:
+            raise ConfigError(
+                f"{field}: {name} needs torchmetrics, which is not installed",
+                hint="pip install 'stoker[metrics]'",
+            )
         target = resolve_callable(name, field=field, builtins={})
         key = spec.key or _default_key(target, name.rpartition(":")[2].rpartition(".")[2])
         if isinstance(target, type):
