@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
+CASE = Path(__file__).with_name("case.py")
 
 
 def epoch_records(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "time/epoch_s" in r]
+
+
+def test_record(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (record,) = [r for r in map(json.loads, lines) if "test/loss" in r]
+    return {key: value for key, value in record.items() if key.startswith("test/")}
 
 
 def step_losses(run_dir):
@@ -28,7 +36,10 @@ def step_losses(run_dir):
 def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_stoker, shuffle):
     """Shuffled or not, each rank takes every 2nd sample of the same order."""
     config = write_config(
-        data={"val_fraction": 0.2}, train={"epochs": 3}, loader={"shuffle": shuffle}
+        # A test set (the whole 320 samples), and metrics that need the whole set's counts.
+        data={"val_fraction": 0.2, "test": {"name": f"{CASE}:samples"}},
+        train={"epochs": 3, "metrics": ["f1", "precision", "recall"]},
+        loader={"shuffle": shuffle},
     )
     ddp, single = tmp_path / "ddp", tmp_path / "single"
 
@@ -55,6 +66,13 @@ def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_sto
         assert reduced["val/loss"] == pytest.approx(whole["val/loss"], rel=1e-5)
         assert reduced["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5)
         assert reduced["train/accuracy"] == whole["train/accuracy"]
+        for name in ("f1", "precision", "recall"):
+            assert reduced[f"val/{name}"] == pytest.approx(whole[f"val/{name}"], rel=1e-9)
+    # The test set, evaluated once at the end, on both ranks' shares.
+    test_ddp, test_one = test_record(ddp), test_record(single)
+    assert test_ddp.keys() == test_one.keys() >= {"test/loss", "test/accuracy", "test/f1"}
+    for key, value in test_one.items():
+        assert test_ddp[key] == pytest.approx(value, rel=1e-5), key
     # Step-level records too: the loss averaged over the ranks is the whole batch's.
     ddp_steps, one_steps = step_losses(ddp), step_losses(single)
     assert [step for step, _ in ddp_steps] == [step for step, _ in one_steps]
