@@ -110,7 +110,7 @@ class DataConfig(Section):
         "`train.monitor`), `last` (the final weights); `auto`: best when the run keeps a best "
         "checkpoint, else last.",
     )
-    split_seed: int = Field(0, description="Seed of the deterministic train/val split.")
+    split_seed: int = Field(0, description="Seed of the deterministic train/val/test split.")
     fingerprint: Literal["fast", "full", "off"] = Field(
         "fast",
         description=(
