@@ -165,9 +165,10 @@ class ClassCounts(_Sums):
             fp = predicted.logical_and(labels.logical_not()).sum(0)
             fn = labels.logical_and(predicted.logical_not()).sum(0)
         else:
-            tp = _counts(labels[predicted.eq(labels)], classes, key=self.key)
-            fp = _counts(predicted, classes, key=self.key) - tp
-            fn = _counts(labels, classes, key=self.key) - tp
+            confusion = _confusion(labels, predicted, classes, key=self.key)
+            tp = confusion.diagonal()
+            fp = confusion.sum(0) - tp  # predicted as the class, labelled otherwise
+            fn = confusion.sum(1) - tp
         rows += torch.stack((tp, fp, fn), dim=1).to(rows.dtype)
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
@@ -210,16 +211,25 @@ class ClassCounts(_Sums):
         return (1 + b2) * tp / denominator if denominator else 0.0
 
 
-def _counts(labels: torch.Tensor, classes: int, *, key: str) -> torch.Tensor:
-    """How often each class occurs (a sync point on a GPU: bincount sizes its output)."""
-    counts = torch.bincount(labels, minlength=classes)
-    if counts.shape[0] > classes:
+def _confusion(
+    labels: torch.Tensor, predicted: torch.Tensor, classes: int, *, key: str
+) -> torch.Tensor:
+    """The ``[classes, classes]`` confusion counts (label, prediction) with one bincount
+    (a sync point on a GPU: bincount sizes its output from the data)."""
+    try:
+        counts = torch.bincount(labels * classes + predicted, minlength=classes * classes)
+    except RuntimeError as error:  # a negative label
         raise DataError(
-            f"metric {key!r}: a label is {counts.shape[0] - 1}, but the model scores only "
+            f"metric {key!r}: the labels must be class indices 0 to {classes - 1}: {error}",
+            hint="make the labels class indices (padding equal to loss.ignore_index is left out)",
+        ) from None
+    if counts.shape[0] > classes * classes:
+        raise DataError(
+            f"metric {key!r}: a label is {classes} or more, but the model scores only "
             f"{classes} classes (0 to {classes - 1})",
             hint="make the model's last layer as wide as the number of classes",
         )
-    return counts
+    return counts.view(classes, classes)
 
 
 class TopKAccuracy(_Sums):

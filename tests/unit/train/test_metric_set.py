@@ -259,6 +259,9 @@ def test_batch_errors_name_the_metric_and_the_shapes() -> None:
     run = build_metrics(["f1"]).start(device=CPU)
     with pytest.raises(DataError, match=r"cannot score the model's output \[3, 4\] against"):
         run.update(torch.randn(3, 4), torch.randn(3))
+    run = build_metrics(["recall"]).start(device=CPU)
+    with pytest.raises(DataError, match="a label is 4 or more, but the model scores only 4"):
+        run.update(torch.randn(3, 4), torch.tensor([0, 1, 7]))
     run = build_metrics(["r2"]).start(device=CPU)
     with pytest.raises(DataError, match="not one shape"):
         run.update(torch.randn(3, 2), torch.randn(3))
