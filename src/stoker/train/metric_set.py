@@ -262,8 +262,11 @@ def _from_spec(item: str | MetricSpec | Mapping[str, Any], *, field: str) -> Met
         return _from_object(value, key=key, name=name, field=field)
     key = spec.key or name
     if name in TASK_METRICS:
-        if args:
-            raise ConfigError(f"{field}: {name} takes no args (it is the task's own metric)")
+        if args or key != name:
+            raise ConfigError(
+                f"{field}: {name} is the task's own metric: it takes no args and keeps its key",
+                hint=f"list it as `{name}`",
+            )
         return MetricDef(key, name, "task", None, _higher(name))
     unknown = set(args) - _OPTIONS.get(name, set())
     if unknown:

@@ -295,3 +295,23 @@ def test_fit_metrics_split_into_config_and_objects() -> None:
     assert config == [{"name": "f1", "args": {"average": "micro"}, "key": "f1_micro"}]
     assert objects == [("d", dist)]
     assert split_fit_metrics(None) == ([], [])
+
+
+@pytest.mark.cuda
+def test_the_built_ins_on_a_gpu_equal_the_cpus() -> None:
+    outputs, targets = _classes()
+    specs = ["f1", "precision", "recall", "top2_accuracy"]
+    cuda = torch.device("cuda")
+    on_cpu = _run(specs, _batches(outputs, targets))
+    run = build_metrics(specs).start(device=cuda, ignore_index=-100)
+    for o, t in _batches(outputs.to(cuda), targets.to(cuda)):
+        run.update(o, t)
+    on_gpu = run.compute("val", reported={})
+    for key, value in on_cpu.items():
+        assert on_gpu[key] == pytest.approx(value, abs=1e-12), key
+    real = 1000 + torch.randn(39, 2)
+    predicted = real + torch.randn(39, 2)
+    run = build_metrics(["r2"]).start(device=cuda)
+    run.update(predicted.to(cuda), real.to(cuda))
+    expected = _run(["r2"], [(predicted, real)])["val/r2"]
+    assert run.compute("val", reported={})["val/r2"] == pytest.approx(expected, abs=1e-9)

@@ -169,3 +169,12 @@ def test_monitoring_a_test_metric_is_refused(toy_classification, mlp_factory, tm
             run_dir=tmp_path,
             **OPTIONS,
         )
+
+
+def test_test_settings_are_checked_with_the_config() -> None:
+    from stoker.config import validate_config
+
+    with pytest.raises(ConfigError, match="leaves no training data"):
+        validate_config({"data": {"val_fraction": 0.5, "test_fraction": 0.5}})
+    with pytest.raises(ConfigError, match="data.test and data.test_fraction are both set"):
+        validate_config({"data": {"test": {"name": "digits"}, "test_fraction": 0.1}})
