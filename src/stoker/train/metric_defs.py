@@ -35,7 +35,7 @@ def sums_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-class _Sums:
+class SumMetric:
     """The sums of one metric: ``head`` (fixed size) and ``rows`` (``[rows, width]``)."""
 
     width = 0
@@ -123,7 +123,7 @@ def _layout_error(key: str, outputs: torch.Tensor, targets: torch.Tensor) -> Dat
     )
 
 
-class ClassCounts(_Sums):
+class ClassCounts(SumMetric):
     """Precision, recall or F1 from true positives, false positives and false negatives
     per class (rows ``[tp, fp, fn]``); the head counts single- and multi-label batches.
 
@@ -232,7 +232,7 @@ def _confusion(
     return counts.view(classes, classes)
 
 
-class TopKAccuracy(_Sums):
+class TopKAccuracy(SumMetric):
     """The share of predictions whose label is among the ``k`` highest class scores;
     the head holds (correct, scored). Positions labelled ``ignore_index`` are left out."""
 
@@ -283,7 +283,7 @@ class TopKAccuracy(_Sums):
 # --- regression --------------------------------------------------------------------------
 
 
-class RSquared(_Sums):
+class RSquared(SumMetric):
     """R², the coefficient of determination, per output column from rows
     ``[count, Σy, Σy², Σ(y - ŷ)²]``; ``average``: ``uniform`` (the mean of the columns'
     R², scikit-learn's default) or ``variance_weighted``. A column of constant targets
@@ -344,7 +344,7 @@ def _shape(value: Any) -> str:
 # --- the user's function -----------------------------------------------------------------
 
 
-class MeanOf(_Sums):
+class MeanOf(SumMetric):
     """A function ``(outputs, targets) -> number`` averaged over samples: the head holds
     (Σ value × batch size, Σ batch size), so the figure is the mean a whole-set call
     would give for any per-sample mean (an error rate, a mean distance) — but not for a

@@ -39,8 +39,8 @@ from stoker.train.metric_defs import (
     ClassCounts,
     MeanOf,
     RSquared,
+    SumMetric,
     TopKAccuracy,
-    _Sums,
     sums_dtype,
 )
 
@@ -110,16 +110,16 @@ class MetricDef:
     key: str
     name: str  # as the config or the caller gave it, for messages
     kind: Literal["task", "sums", "object"]
-    make: Any  # (ignore_index) -> _Sums | ObjectMetric; None for a task metric
+    make: Any  # (ignore_index) -> SumMetric | ObjectMetric; None for a task metric
     higher_is_better: bool | None
 
 
 class MetricRun:
     """One evaluation's accumulators (validation after an epoch, or the test)."""
 
-    def __init__(self, metrics: Sequence[_Sums | ObjectMetric], task_keys: Sequence[str]):
+    def __init__(self, metrics: Sequence[SumMetric | ObjectMetric], task_keys: Sequence[str]):
         self.metrics, self.task_keys = tuple(metrics), tuple(task_keys)
-        self.sums = tuple(m for m in self.metrics if isinstance(m, _Sums))
+        self.sums = tuple(m for m in self.metrics if isinstance(m, SumMetric))
 
     def update(self, outputs: Any, targets: Any) -> None:
         for metric in self.metrics:
@@ -150,7 +150,7 @@ class MetricRun:
         return values
 
 
-def _reduced(metrics: Sequence[_Sums]) -> list[float | None]:
+def _reduced(metrics: Sequence[SumMetric]) -> list[float | None]:
     """Each metric's figure from its sums added over the ranks: one all-reduce of every
     sum (and one of the row counts, so a rank that saw no batch pads its rows with zeros)."""
     device = metrics[0].head.device  # type: ignore[union-attr]
@@ -292,15 +292,17 @@ def _from_spec(item: str | MetricSpec | Mapping[str, Any], *, field: str) -> Met
     return MetricDef(key, name, "sums", make, True)
 
 
-def _top_k(key: str, k: int, ignore_index: int | None) -> _Sums:
+def _top_k(key: str, k: int, ignore_index: int | None) -> SumMetric:
     return TopKAccuracy(key, k, ignore_index=ignore_index)
 
 
-def _r2(key: str, args: dict[str, Any], ignore_index: int | None) -> _Sums:
+def _r2(key: str, args: dict[str, Any], ignore_index: int | None) -> SumMetric:
     return RSquared(key, **args)
 
 
-def _class_counts(key: str, which: Any, args: dict[str, Any], ignore_index: int | None) -> _Sums:
+def _class_counts(
+    key: str, which: Any, args: dict[str, Any], ignore_index: int | None
+) -> SumMetric:
     return ClassCounts(key, which, ignore_index=ignore_index, **args)
 
 
