@@ -45,6 +45,18 @@ class SumMetric:
         self.key = key
         self.head: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
+        #: Another metric that keeps the same sums: this one reads its, and is not updated.
+        self.leader: SumMetric | None = None
+
+    def shares(self, other: SumMetric) -> bool:
+        """Whether ``other`` keeps the very sums this one keeps."""
+        return False
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head, rows), this metric's own or its leader's."""
+        owner = self.leader or self
+        assert owner.head is not None and owner.rows is not None, "start() first"
+        return owner.head, owner.rows
 
     def start(self, device: torch.device, dtype: torch.dtype) -> None:
         with torch.inference_mode(False):  # ordinary tensors: added to in place later
@@ -80,11 +92,12 @@ class SumMetric:
 
 def _class_pairs(
     outputs: Any, targets: Any, ignore_index: int | None, *, key: str
-) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
-    """(predictions, targets, classes, multi-label) in one of three layouts.
+) -> tuple[torch.Tensor, torch.Tensor, int, bool, torch.Tensor | None]:
+    """(predictions, targets, classes, multi-label, real) in one of three layouts.
 
     Class scores ``[N, C]`` (or ``[N, C, T]``) against integer labels ``[N]`` (``[N, T]``):
-    argmax, flattened to 1-D, positions whose label is ``ignore_index`` left out. One
+    argmax, flattened to 1-D; ``real`` marks the positions whose label is not
+    ``ignore_index`` (a mask, not an index: indexing would wait for the GPU). One
     logit per sample ``[N]`` / ``[N, 1]`` against 0/1 labels: its sign, as two classes.
     ``[N, C]`` logits against as many 0/1 targets (multi-label): each logit's sign, as
     ``[N, C]`` booleans.
@@ -98,19 +111,16 @@ def _class_pairs(
     if outputs.ndim == targets.ndim + 1 and outputs.shape[1] > 1:
         if targets.is_floating_point() or outputs.shape[:1] + outputs.shape[2:] != targets.shape:
             raise _layout_error(key, outputs, targets)
-        predicted = outputs.argmax(dim=1).flatten()
         labels = targets.flatten()
-        if ignore_index is not None:
-            real = labels.ne(ignore_index)
-            predicted, labels = predicted[real], labels[real]
-        return predicted, labels, outputs.shape[1], False
+        real = labels.ne(ignore_index) if ignore_index is not None else None
+        return outputs.argmax(dim=1).flatten(), labels, outputs.shape[1], False, real
     aligned = aligned_shapes(outputs, targets)
     if aligned is None or aligned[0].ndim > 2:
         raise _layout_error(key, outputs, targets)
     logits, labels = aligned
     if logits.ndim == 2 and logits.shape[1] > 1:
-        return logits.gt(0), labels.gt(0.5), logits.shape[1], True
-    return logits.gt(0).long().flatten(), labels.gt(0.5).long().flatten(), 2, False
+        return logits.gt(0), labels.gt(0.5), logits.shape[1], True, None
+    return logits.gt(0).long().flatten(), labels.gt(0.5).long().flatten(), 2, False, None
 
 
 def _layout_error(key: str, outputs: torch.Tensor, targets: torch.Tensor) -> DataError:
@@ -125,7 +135,8 @@ def _layout_error(key: str, outputs: torch.Tensor, targets: torch.Tensor) -> Dat
 
 class ClassCounts(SumMetric):
     """Precision, recall or F1 from true positives, false positives and false negatives
-    per class (rows ``[tp, fp, fn]``); the head counts single- and multi-label batches.
+    per class (rows ``[tp, fp, fn]``); the head counts single- and multi-label batches,
+    and labels past the model's classes.
 
     ``average``: ``binary`` reports class ``positive`` alone; ``micro`` pools the counts
     of every class (for single-label data, precision = recall = F1 = accuracy);
@@ -137,7 +148,7 @@ class ClassCounts(SumMetric):
     """
 
     width = 3
-    head_size = 2
+    head_size = 3
 
     def __init__(
         self,
@@ -153,8 +164,12 @@ class ClassCounts(SumMetric):
         self.which, self.average, self.positive = which, average, positive
         self.beta, self.ignore_index = beta, ignore_index
 
+    def shares(self, other: SumMetric) -> bool:
+        """Precision, recall and F1 count the same: one set of counts serves them all."""
+        return isinstance(other, ClassCounts) and other.ignore_index == self.ignore_index
+
     def update(self, outputs: Any, targets: Any) -> None:
-        predicted, labels, classes, multilabel = _class_pairs(
+        predicted, labels, classes, multilabel, real = _class_pairs(
             outputs, targets, self.ignore_index, key=self.key
         )
         rows = self._grow(classes)
@@ -165,14 +180,24 @@ class ClassCounts(SumMetric):
             fp = predicted.logical_and(labels.logical_not()).sum(0)
             fn = labels.logical_and(predicted.logical_not()).sum(0)
         else:
-            confusion = _confusion(labels, predicted, classes, key=self.key)
+            if real is not None:
+                # Left-out positions go to an extra class C, whose row and column are
+                # dropped; a real label C lands in that row too, and is counted apart.
+                labels, predicted = labels.where(real, classes), predicted.where(real, classes)
+                confusion = _confusion(labels, predicted, classes + 1, key=self.key)
+                self.head[2] += confusion[classes, :classes].sum()
+                confusion = confusion[:classes, :classes]
+            else:
+                confusion = _confusion(labels, predicted, classes, key=self.key)
             tp = confusion.diagonal()
             fp = confusion.sum(0) - tp  # predicted as the class, labelled otherwise
             fn = confusion.sum(1) - tp
         rows += torch.stack((tp, fp, fn), dim=1).to(rows.dtype)
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
-        single, multi = head
+        single, multi, past = head
+        if past:
+            raise _past_classes(self.key, len(rows))
         if single and multi:
             raise DataError(
                 f"metric {self.key!r}: some batches are single-label and some multi-label",
@@ -211,6 +236,14 @@ class ClassCounts(SumMetric):
         return (1 + b2) * tp / denominator if denominator else 0.0
 
 
+def _past_classes(key: str, classes: int) -> DataError:
+    return DataError(
+        f"metric {key!r}: a label is {classes} or more, but the model scores only "
+        f"{classes} classes (0 to {classes - 1})",
+        hint="make the model's last layer as wide as the number of classes",
+    )
+
+
 def _confusion(
     labels: torch.Tensor, predicted: torch.Tensor, classes: int, *, key: str
 ) -> torch.Tensor:
@@ -224,11 +257,7 @@ def _confusion(
             hint="make the labels class indices (padding equal to loss.ignore_index is left out)",
         ) from None
     if counts.shape[0] > classes * classes:
-        raise DataError(
-            f"metric {key!r}: a label is {classes} or more, but the model scores only "
-            f"{classes} classes (0 to {classes - 1})",
-            hint="make the model's last layer as wide as the number of classes",
-        )
+        raise _past_classes(key, classes)
     return counts.view(classes, classes)
 
 
@@ -244,12 +273,14 @@ class TopKAccuracy(SumMetric):
 
     def update(self, outputs: Any, targets: Any) -> None:
         if self.k == 1:
-            predicted, labels, _, multilabel = _class_pairs(
+            predicted, labels, _, multilabel, real = _class_pairs(
                 outputs, targets, self.ignore_index, key=self.key
             )
             if multilabel:
                 raise _layout_error(self.key, outputs, targets)
             hits, scored = predicted.eq(labels), labels.numel()
+            if real is not None:
+                hits, scored = hits.logical_and(real), real.sum()
         else:
             if not (
                 isinstance(outputs, torch.Tensor)

@@ -120,9 +120,15 @@ class MetricRun:
     def __init__(self, metrics: Sequence[SumMetric | ObjectMetric], task_keys: Sequence[str]):
         self.metrics, self.task_keys = tuple(metrics), tuple(task_keys)
         self.sums = tuple(m for m in self.metrics if isinstance(m, SumMetric))
+        # Precision, recall and F1 count once, in the first of them (its "leader").
+        for index, metric in enumerate(self.sums):
+            metric.leader = next(
+                (m for m in self.sums[:index] if m.leader is None and m.shares(metric)), None
+            )
+        self.updated = tuple(m for m in self.metrics if getattr(m, "leader", None) is None)
 
     def update(self, outputs: Any, targets: Any) -> None:
-        for metric in self.metrics:
+        for metric in self.updated:
             metric.update(outputs, targets)
 
     def compute(self, prefix: str, *, reported: Mapping[str, float]) -> dict[str, float]:
@@ -153,11 +159,12 @@ class MetricRun:
 def _reduced(metrics: Sequence[SumMetric]) -> list[float | None]:
     """Each metric's figure from its sums added over the ranks: one all-reduce of every
     sum (and one of the row counts, so a rank that saw no batch pads its rows with zeros)."""
-    device = metrics[0].head.device  # type: ignore[union-attr]
+    sums = [m.sums() for m in metrics]
+    device = sums[0][0].device
     if device.type == "mps":
         device = torch.device("cpu")  # no float64
-    heads = [m.head.to(device, torch.float64) for m in metrics]  # type: ignore[union-attr]
-    rows = [m.rows.to(device, torch.float64) for m in metrics]  # type: ignore[union-attr]
+    heads = [head.to(device, torch.float64) for head, _ in sums]
+    rows = [rows.to(device, torch.float64) for _, rows in sums]
     if rank_and_world_size()[1] > 1:
         counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)

@@ -262,6 +262,11 @@ def test_batch_errors_name_the_metric_and_the_shapes() -> None:
     run = build_metrics(["recall"]).start(device=CPU)
     with pytest.raises(DataError, match="a label is 4 or more, but the model scores only 4"):
         run.update(torch.randn(3, 4), torch.tensor([0, 1, 7]))
+    # With padding left out, the check happens when the figures are computed.
+    run = build_metrics(["recall", "f1"]).start(device=CPU, ignore_index=-100)
+    run.update(torch.randn(3, 4), torch.tensor([0, 4, -100]))
+    with pytest.raises(DataError, match="a label is 4 or more"):
+        run.compute("val", reported={})
     run = build_metrics(["r2"]).start(device=CPU)
     with pytest.raises(DataError, match="not one shape"):
         run.update(torch.randn(3, 2), torch.randn(3))
