@@ -180,15 +180,8 @@ class ClassCounts(SumMetric):
             fp = predicted.logical_and(labels.logical_not()).sum(0)
             fn = labels.logical_and(predicted.logical_not()).sum(0)
         else:
-            if real is not None:
-                # Left-out positions go to an extra class C, whose row and column are
-                # dropped; a real label C lands in that row too, and is counted apart.
-                labels, predicted = labels.where(real, classes), predicted.where(real, classes)
-                confusion = _confusion(labels, predicted, classes + 1, key=self.key)
-                self.head[2] += confusion[classes, :classes].sum()
-                confusion = confusion[:classes, :classes]
-            else:
-                confusion = _confusion(labels, predicted, classes, key=self.key)
+            confusion, outside = _confusion(labels, predicted, real, classes)
+            self.head[2] += outside
             tp = confusion.diagonal()
             fp = confusion.sum(0) - tp  # predicted as the class, labelled otherwise
             fn = confusion.sum(1) - tp
@@ -238,27 +231,35 @@ class ClassCounts(SumMetric):
 
 def _past_classes(key: str, classes: int) -> DataError:
     return DataError(
-        f"metric {key!r}: a label is {classes} or more, but the model scores only "
-        f"{classes} classes (0 to {classes - 1})",
-        hint="make the model's last layer as wide as the number of classes",
+        f"metric {key!r}: some labels are no class: negative, or {classes} or more, but "
+        f"the model scores {classes} classes (0 to {classes - 1})",
+        hint="make the model's last layer as wide as the number of classes; padding must "
+        "equal loss.ignore_index",
     )
 
 
 def _confusion(
-    labels: torch.Tensor, predicted: torch.Tensor, classes: int, *, key: str
-) -> torch.Tensor:
-    """The ``[classes, classes]`` confusion counts (label, prediction) with one bincount
-    (a sync point on a GPU: bincount sizes its output from the data)."""
-    try:
-        counts = torch.bincount(labels * classes + predicted, minlength=classes * classes)
-    except RuntimeError as error:  # a negative label
-        raise DataError(
-            f"metric {key!r}: the labels must be class indices 0 to {classes - 1}: {error}",
-            hint="make the labels class indices (padding equal to loss.ignore_index is left out)",
-        ) from None
-    if counts.shape[0] > classes * classes:
-        raise _past_classes(key, classes)
-    return counts.view(classes, classes)
+    labels: torch.Tensor, predicted: torch.Tensor, real: torch.Tensor | None, classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[classes, classes]`` confusion counts (label, prediction), and how many real
+    positions have a label that is no class (negative, or ``classes`` or more).
+
+    Counted into a fixed ``[classes + 1]²`` grid — left-out positions (``real`` False)
+    and labels outside the classes go to the extra class — with ``index_add_``: unlike
+    ``bincount``, which sizes its result from the data, it never waits for the GPU.
+    """
+    outside = labels.lt(0).logical_or_(labels.ge(classes))
+    if real is not None:
+        outside.logical_and_(real)
+        predicted = predicted.where(real, classes)
+        labels = labels.where(real.logical_and(outside.logical_not()), classes)
+    else:
+        labels = labels.where(outside.logical_not(), classes)
+    size = classes + 1
+    index = labels * size + predicted
+    grid = torch.zeros(size * size, dtype=torch.long, device=index.device)
+    grid.index_add_(0, index, torch.ones_like(index))
+    return grid.view(size, size)[:classes, :classes], outside.sum()
 
 
 class TopKAccuracy(SumMetric):

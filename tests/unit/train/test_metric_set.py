@@ -259,14 +259,12 @@ def test_batch_errors_name_the_metric_and_the_shapes() -> None:
     run = build_metrics(["f1"]).start(device=CPU)
     with pytest.raises(DataError, match=r"cannot score the model's output \[3, 4\] against"):
         run.update(torch.randn(3, 4), torch.randn(3))
-    run = build_metrics(["recall"]).start(device=CPU)
-    with pytest.raises(DataError, match="a label is 4 or more, but the model scores only 4"):
-        run.update(torch.randn(3, 4), torch.tensor([0, 1, 7]))
-    # With padding left out, the check happens when the figures are computed.
-    run = build_metrics(["recall", "f1"]).start(device=CPU, ignore_index=-100)
-    run.update(torch.randn(3, 4), torch.tensor([0, 4, -100]))
-    with pytest.raises(DataError, match="a label is 4 or more"):
-        run.compute("val", reported={})
+    # Labels past the classes are counted on the device, and reported with the figures.
+    for labels, ignore_index in (([0, 1, 7], None), ([0, 4, -100], -100), ([-1, 1, 2], None)):
+        run = build_metrics(["recall", "f1"]).start(device=CPU, ignore_index=ignore_index)
+        run.update(torch.randn(3, 4), torch.tensor(labels))
+        with pytest.raises(DataError, match="some labels are no class: negative, or 4 or more"):
+            run.compute("val", reported={})
     run = build_metrics(["r2"]).start(device=CPU)
     with pytest.raises(DataError, match="not one shape"):
         run.update(torch.randn(3, 2), torch.randn(3))
