@@ -79,6 +79,7 @@ def test_test_fraction_is_evaluated_with_the_chosen_weights(
     assert summary["test"] == {"weights": weights, "epoch": epoch, **result.test_metrics}
     # The report's reading of metrics.jsonl keeps every epoch record beside the test one.
     assert len(read_metrics(tmp_path / "metrics.jsonl").epoch_records) == 3
+    assert "<h3>test</h3>" in (tmp_path / "report.html").read_text()  # summary.json's test
 
 
 def test_data_test_from_a_config_file_auto_picks_best(tmp_path) -> None:
