@@ -45,6 +45,7 @@ def test_test_fraction_is_evaluated_with_the_chosen_weights(
         monitor_mode="max",
         test_checkpoint=weights,
         metrics=["f1"],
+        log_every_steps=1,
         run_dir=tmp_path,
         **OPTIONS,
     )
@@ -77,8 +78,12 @@ def test_test_fraction_is_evaluated_with_the_chosen_weights(
     assert not any(key.startswith("test/") for key in result.metrics)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["test"] == {"weights": weights, "epoch": epoch, **result.test_metrics}
-    # The report's reading of metrics.jsonl keeps every epoch record beside the test one.
-    assert len(read_metrics(tmp_path / "metrics.jsonl").epoch_records) == 3
+    # The report's reading of metrics.jsonl keeps every record beside the test one (which
+    # has the last step's number).
+    log = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(log.epoch_records) == 3
+    steps = [r["step"] for r in log.step_records if "train/loss" in r]
+    assert steps == list(range(1, result.history[-1]["step"] + 1))
     assert "<h3>test</h3>" in (tmp_path / "report.html").read_text()  # summary.json's test
 
 
