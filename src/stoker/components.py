@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from stoker.config import ComponentSpec, RunConfig
 from stoker.data.builtins import SOURCES
 from stoker.data.collate import PadCollate
-from stoker.data.sources import split_dataset
+from stoker.data.sources import split_train_val_test
 from stoker.errors import ConfigError, DataError
 from stoker.examples.datasets import DATASETS as EXAMPLE_DATASETS
 from stoker.examples.models import MODELS
@@ -137,7 +137,23 @@ def build_model(config: RunConfig) -> nn.Module:
 
 
 def build_datasets(config: RunConfig) -> tuple[Dataset, Dataset | None]:
-    """The training and (optional) validation datasets, split deterministically if asked."""
+    """The training and (optional) validation datasets, split deterministically if asked.
+
+    With ``data.test_fraction`` the training part leaves out the test share too.
+    """
+    train, val, _ = build_splits(config, test=False)
+    return train, val
+
+
+def build_splits(
+    config: RunConfig, *, test: bool = True
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """The training, validation and test datasets (the last two optional).
+
+    ``data.val_fraction`` and ``data.test_fraction`` split them off ``data.train`` with
+    one seeded permutation (see ``split_train_val_test``). With ``test=False`` the test
+    dataset ``data.test`` is not built (its part of a split is still left out of train).
+    """
     data = config.data
     if data.train is None:
         raise ConfigError("data.train: required", hint="add `data: {train: {name: digits}}`")
@@ -146,17 +162,30 @@ def build_datasets(config: RunConfig) -> tuple[Dataset, Dataset | None]:
     train = _as_dataset(
         _call(data.train, field="data.train", builtins=DATASETS, defaults=policy), "data.train"
     )
+    val = test_data = None
     if data.val is not None:
         if data.val_fraction is not None:
             raise ConfigError(
                 "data.val and data.val_fraction are both set",
                 hint="give a separate validation set or a fraction of train, not both",
             )
-        val = _call(data.val, field="data.val", builtins=DATASETS, defaults=policy)
-        return train, _as_dataset(val, "data.val")
-    if data.val_fraction is not None:
-        return split_dataset(train, data.val_fraction, seed=data.split_seed)
-    return train, None
+        val = _as_dataset(
+            _call(data.val, field="data.val", builtins=DATASETS, defaults=policy), "data.val"
+        )
+    if data.test is not None and test:
+        test_data = _as_dataset(
+            _call(data.test, field="data.test", builtins=DATASETS, defaults=policy), "data.test"
+        )
+    if data.val_fraction is not None or data.test_fraction is not None:
+        train, val_part, test_part = split_train_val_test(
+            train,
+            val_fraction=data.val_fraction,
+            test_fraction=data.test_fraction,
+            seed=data.split_seed,
+        )
+        val = val_part if val_part is not None else val
+        test_data = test_part if test_part is not None else test_data
+    return train, val, test_data
 
 
 def _as_dataset(value: Any, field: str) -> Dataset:

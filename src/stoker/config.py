@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -42,6 +44,43 @@ class ComponentSpec(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for it.")
 
 
+class MetricSpec(Section):
+    """A metric with arguments, or under a key of its own (``train.metrics`` items)."""
+
+    name: str = Field(
+        description="A built-in metric, or an import path `module:callable` / `file.py:Class`."
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments: a built-in's options, a class's constructor arguments, "
+        "or extra keyword arguments of a function.",
+    )
+    key: str | None = Field(
+        None, description="The name in records (`val/<key>`); defaults to the metric's name."
+    )
+
+
+#: The task's own metrics: reported whenever the outputs allow, listing them checks that.
+TASK_METRICS = ("loss", "accuracy", "perplexity", "mse", "mae")
+#: Built-in metrics computed on request (``train.metrics``), besides ``top<k>_accuracy``.
+BUILTIN_METRICS = ("precision", "recall", "f1", "r2")
+TOP_K_METRIC = re.compile(r"top([1-9][0-9]*)_accuracy")
+
+
+def check_metric_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is a built-in metric or an import path."""
+    if ":" in name or name in TASK_METRICS or name in BUILTIN_METRICS:
+        return
+    if TOP_K_METRIC.fullmatch(name):
+        return
+    known = (*TASK_METRICS, *BUILTIN_METRICS, "top5_accuracy")
+    raise ValueError(
+        f"{name!r} is not a built-in metric{suggest(name, known)}; built-ins: "
+        f"{', '.join(known)} (any top<k>_accuracy), or an import path such as "
+        "`metrics.py:my_metric` or `torchmetrics.classification:MulticlassF1Score`"
+    )
+
+
 class DataConfig(Section):
     """Where the samples come from."""
 
@@ -53,7 +92,25 @@ class DataConfig(Section):
         lt=1,
         description="Hold out this share of `train` for validation when `val` is not given.",
     )
-    split_seed: int = Field(0, description="Seed of the deterministic train/val split.")
+    test: ComponentSpec | None = Field(
+        None,
+        description="The test dataset (optional), evaluated once at the end of the run and "
+        "reported as `test/*`.",
+    )
+    test_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Hold out this share of `train` for the test when `test` is not given "
+        "(apart from the `val_fraction` share).",
+    )
+    test_checkpoint: Literal["auto", "best", "last"] = Field(
+        "auto",
+        description="The weights the test evaluates: `best` (the best checkpoint by "
+        "`train.monitor`), `last` (the final weights); `auto`: best when the run keeps a best "
+        "checkpoint, else last.",
+    )
+    split_seed: int = Field(0, description="Seed of the deterministic train/val/test split.")
     fingerprint: Literal["fast", "full", "off"] = Field(
         "fast",
         description=(
@@ -75,6 +132,21 @@ class DataConfig(Section):
     max_consecutive_bad_records: PositiveInt = Field(
         100, description="Stop after more skips in a row than this."
     )
+
+    @model_validator(mode="after")
+    def _one_test_source(self) -> DataConfig:
+        if self.test is not None and self.test_fraction is not None:
+            raise ValueError(
+                "data.test and data.test_fraction are both set; give a test dataset or a "
+                "fraction of train, not both"
+            )
+        shares = (self.val_fraction or 0.0) + (self.test_fraction or 0.0)
+        if self.val is None and self.test is None and shares >= 1.0:
+            raise ValueError(
+                f"data.val_fraction + data.test_fraction is {shares:g}, which leaves no "
+                "training data; make their sum less than 1"
+            )
+        return self
 
 
 class LoaderConfig(Section):
@@ -211,11 +283,19 @@ class TrainConfig(Section):
         description="Which metrics to report; `auto` infers it from the loss; `none`: the "
         "loss alone.",
     )
+    metrics: list[str | MetricSpec] = Field(
+        default_factory=list,
+        description="Metrics of the validation and test data besides the task's own (loss, "
+        "accuracy or mse/mae): f1, precision, recall, top<k>_accuracy, r2, or an import path "
+        "of a function `(outputs, targets) -> tensor` or a metric class (torchmetrics).",
+    )
     monitor: str | None = Field(
         None, description="Metric for best checkpoint and early stopping; val/loss or train/loss."
     )
     monitor_mode: Literal["auto", "min", "max"] = Field(
-        "auto", description="`auto`: max for accuracy, min otherwise."
+        "auto",
+        description="`auto`: max for accuracy, f1, precision, recall and r2 (and a torchmetrics "
+        "metric's `higher_is_better`), min otherwise.",
     )
     early_stopping: EarlyStoppingConfig | None = None
     log_every_steps: PositiveInt = Field(50, description="Steps between step-level metric records.")
@@ -247,6 +327,13 @@ class TrainConfig(Section):
         "Below 1 the scaler shrinks gradients, which only a model whose gradients overflow "
         "fp16 unscaled (or are inf/NaN at any scale) needs (DeepSpeed's default too).",
     )
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, metrics: list[str | MetricSpec]) -> list[str | MetricSpec]:
+        for item in metrics:
+            check_metric_name(item if isinstance(item, str) else item.name)
+        return metrics
 
     @model_validator(mode="after")
     def _one_clipping_mode(self) -> TrainConfig:
@@ -468,7 +555,7 @@ def _flat_option_paths() -> dict[str, tuple[str, str]]:
         model = RunConfig.model_fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         for field in model.model_fields:
-            if section == "data" and field in ("train", "val"):
+            if section == "data" and field in ("train", "val", "test"):
                 continue
             option = _NAME_ALIASES.get(section, field) if field == "name" else field
             if section == "loss" and field == "args":

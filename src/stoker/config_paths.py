@@ -25,7 +25,9 @@ SPEC_FIELDS = frozenset(
         ("model", "name"),
         ("data", "train", "name"),
         ("data", "val", "name"),
+        ("data", "test", "name"),
         ("loss", "name"),
+        ("train", "metrics"),
         ("loader", "collate_fn"),
     }
 )
@@ -40,6 +42,7 @@ ARG_FIELDS = frozenset(
         ("model", "args"),
         ("data", "train", "args"),
         ("data", "val", "args"),
+        ("data", "test", "args"),
         ("loss", "args"),
         ("loader", "collate_args"),
     }

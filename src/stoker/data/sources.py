@@ -22,6 +22,7 @@ __all__ = [
     "origin_indices",
     "origin_lengths",
     "split_dataset",
+    "split_train_val_test",
 ]
 
 ArrayLike = torch.Tensor | np.ndarray
@@ -230,41 +231,89 @@ def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int) -> tuple[
         ConfigError: ``val_fraction`` is not strictly between 0 and 1.
         DataError: The dataset is iterable, has no length, or has fewer than 2 samples.
     """
-    number = isinstance(val_fraction, int | float) and not isinstance(val_fraction, bool)
-    if not number or not 0.0 < val_fraction < 1.0:
-        raise ConfigError(
-            f"val_fraction must be strictly between 0 and 1; got {val_fraction!r}.",
-            hint="use a fraction such as val_fraction=0.1, or give a separate validation set",
-        )
+    train, val, _ = split_train_val_test(dataset, val_fraction=val_fraction, seed=seed)
+    assert val is not None
+    return train, val
+
+
+def split_train_val_test(
+    dataset: Dataset,
+    *,
+    val_fraction: float | None,
+    test_fraction: float | None = None,
+    seed: int,
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """Split off validation and test parts of a map-style dataset, deterministically.
+
+    One permutation seeded with ``seed``: its first ``val_fraction`` share is the
+    validation part — the same samples :func:`split_dataset` holds out, so adding a test
+    share leaves the validation set as it was — the next ``test_fraction`` share of the
+    whole is the test part, and the rest trains. Each part keeps the original order.
+
+    Returns:
+        ``(train, val, test)``; a part whose fraction is None is None.
+
+    Raises:
+        ConfigError: A fraction is not strictly between 0 and 1.
+        DataError: The dataset is iterable, has no length, or is too small to give every
+            part a sample.
+    """
+    for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if fraction is None:
+            continue
+        number = isinstance(fraction, int | float) and not isinstance(fraction, bool)
+        if not number or not 0.0 < fraction < 1.0:
+            raise ConfigError(
+                f"{name} must be strictly between 0 and 1; got {fraction!r}.",
+                hint=f"use a fraction such as {name}=0.1, or give a separate "
+                f"{'test' if name == 'test_fraction' else 'validation'} set",
+            )
+    which = "val_fraction" if test_fraction is None else "test_fraction"
+    what = "validation" if test_fraction is None else "test"
     if isinstance(dataset, IterableDataset):
         raise DataError(
             f"cannot split {type(dataset).__name__}: it is an IterableDataset (a stream), "
             "which has no random access; expected a map-style dataset.",
-            hint="give a separate validation set instead of val_fraction",
+            hint=f"give a separate {what} set instead of {which}",
         )
     try:
         n = len(dataset)  # type: ignore[arg-type]
     except TypeError as error:
         raise DataError(
             f"cannot split {type(dataset).__name__}: it defines no __len__.",
-            hint="define __len__ on the dataset, or give a separate validation set",
+            hint=f"define __len__ on the dataset, or give a separate {what} set",
         ) from error
-    if n < 2:
+    parts = 1 + (val_fraction is not None) + (test_fraction is not None)
+    if n < parts:
         raise DataError(
-            f"cannot split a dataset of {n} sample(s) into train and validation; "
-            "expected at least 2.",
-            hint="give more data or a separate validation set",
+            f"cannot split a dataset of {n} sample(s) into {parts} parts; "
+            f"expected at least {parts}.",
+            hint="give more data or separate validation and test sets",
         )
-    n_val = min(max(round(n * val_fraction), 1), n - 1)
+    n_val = min(max(round(n * val_fraction), 1), n - 1) if val_fraction is not None else 0
+    n_test = 0
+    if test_fraction is not None:
+        n_test = min(max(round(n * test_fraction), 1), n - n_val - 1)
+        if n_test < 1:
+            n_val -= 1  # a tiny dataset: the test part takes one sample of the validation share
+            n_test = 1
     generator = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=generator)
-    val_idx = perm[:n_val].sort().values
-    train_idx = perm[n_val:].sort().values
+    indices = (perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test])
+    train_idx, val_idx, test_idx = (part.sort().values for part in indices)
     if isinstance(dataset, TensorDataset):
         dataset = ArrayDataset.from_tensor_dataset(dataset)
-    if isinstance(dataset, ArrayDataset):
-        return dataset.subset(train_idx), dataset.subset(val_idx)
-    return Subset(dataset, train_idx.tolist()), Subset(dataset, val_idx.tolist())
+
+    def part(idx: torch.Tensor) -> Dataset:
+        if isinstance(dataset, ArrayDataset):
+            return dataset.subset(idx)
+        return Subset(dataset, idx.tolist())
+
+    return (
+        part(train_idx),
+        part(val_idx) if val_fraction is not None else None,
+        part(test_idx) if test_fraction is not None else None,
+    )
 
 
 def _wrapped(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None] | None:

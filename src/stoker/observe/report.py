@@ -78,7 +78,8 @@ def read_metrics(path: str | os.PathLike[str]) -> MetricsLog:
     path = Path(path)
     if not path.is_file():
         return MetricsLog((), (), (), 0, exists=False)
-    levels: dict[str, list[dict[str, Any]]] = {"step": [], "epoch": []}
+    # "test": the one record of the end-of-run test, shown from summary.json.
+    levels: dict[str, list[dict[str, Any]]] = {"step": [], "epoch": [], "test": []}
     skipped: list[tuple[int, str]] = []
     superseded = 0
     with path.open(encoding="utf-8", errors="replace") as file:
@@ -105,6 +106,8 @@ def read_metrics(path: str | os.PathLike[str]) -> MetricsLog:
 
 
 def _level(record: Mapping[str, Any]) -> str:
+    if any(key.startswith("test/") for key in record):
+        return "test"
     epoch_level = any(key == "time/epoch_s" or key.startswith("val/") for key in record)
     return "epoch" if epoch_level else "step"
 

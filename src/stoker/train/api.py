@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from stoker.config import config_from_options
-from stoker.data.sources import ArrayDataset, split_dataset
+from stoker.config import DataConfig, config_from_options
+from stoker.data.sources import ArrayDataset, split_train_val_test
 from stoker.errors import ConfigError
+from stoker.train.metric_set import split_fit_metrics
 from stoker.train.pipeline import UserComponents
 from stoker.train.session import FitResult, train_run
 
@@ -25,6 +26,7 @@ def fit(
     train_data: DataLike,
     val_data: DataLike | None = None,
     *,
+    test_data: DataLike | None = None,
     resume: str | Path | None = None,
     progress: Literal["auto", "rich", "plain", "quiet"] = "auto",
     allow_data_change: bool = False,
@@ -37,13 +39,17 @@ def fit(
     ``lr``, ``precision``, ``grad_accum_steps``, ``clip_grad_norm``, ``run_dir``,
     ``seed`` … (the full list is ``stoker.config.FLAT_OPTIONS``); ``optimizer``,
     ``schedule`` and ``loss`` take the config's names. ``loss`` and ``collate_fn``
-    may also be callables.
+    may also be callables. ``metrics`` takes built-in names (``["f1", "top5_accuracy"]``),
+    functions ``(outputs, targets) -> number`` and torchmetrics objects, in a list or a
+    ``{key: metric}`` dict.
 
     Args:
         model: Any ``torch.nn.Module``.
         train_data: A Dataset (map-style or iterable), or a tuple of arrays/tensors
             ``(features, labels, ...)`` sharing their first dimension.
         val_data: The same for validation; or pass ``val_fraction=0.2`` to split train.
+        test_data: The same, evaluated once at the end with the best (or last) weights
+            (``test_checkpoint``); or pass ``test_fraction=0.1`` to split train.
         resume: A run dir to continue from its last checkpoint.
         progress: How to show progress; ``quiet`` prints nothing.
         allow_data_change: With ``resume``, continue even if the training data changed.
@@ -59,13 +65,20 @@ def fit(
     collate_fn = _pop_callable(options, "collate_fn")
     if loss_fn is not None and "loss" not in options:
         options["loss"] = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    options["metrics"], metric_objects = split_fit_metrics(options.pop("metrics", None))
     config = config_from_options(options)
     train = _as_dataset(train_data, "train_data")
     val = _as_dataset(val_data, "val_data") if val_data is not None else None
-    if val is None and config.data.val_fraction is not None:
-        train, val = split_dataset(train, config.data.val_fraction, seed=config.data.split_seed)
+    test = _as_dataset(test_data, "test_data") if test_data is not None else None
+    train, val, test = _split(train, val, test, config.data)
     user = UserComponents(
-        model=model, train_data=train, val_data=val, loss_fn=loss_fn, collate_fn=collate_fn
+        model=model,
+        train_data=train,
+        val_data=val,
+        loss_fn=loss_fn,
+        collate_fn=collate_fn,
+        test_data=test,
+        metrics=tuple(metric_objects),
     )
     return train_run(
         config,
@@ -75,6 +88,24 @@ def fit(
         allow_data_change=allow_data_change,
         allow_config_change=allow_config_change,
     )
+
+
+def _split(
+    train: Dataset, val: Dataset | None, test: Dataset | None, data: DataConfig
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """``val_fraction`` and ``test_fraction`` split train when no such dataset is given."""
+    if test is not None and data.test_fraction is not None:
+        raise ConfigError(
+            "fit: test_data and test_fraction are both given",
+            hint="pass a test set or a fraction of train, not both",
+        )
+    val_fraction = data.val_fraction if val is None else None
+    if val_fraction is None and data.test_fraction is None:
+        return train, val, test
+    train, val_part, test_part = split_train_val_test(
+        train, val_fraction=val_fraction, test_fraction=data.test_fraction, seed=data.split_seed
+    )
+    return train, val if val is not None else val_part, test if test is not None else test_part
 
 
 def _pop_callable(options: dict[str, Any], key: str) -> Callable | None:

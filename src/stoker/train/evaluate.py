@@ -9,6 +9,7 @@ from torch import nn
 
 from stoker.data.device import move_to_device
 from stoker.train.batch import batch_size_of, forward, split_batch
+from stoker.train.metric_set import NO_METRICS, Metrics
 from stoker.train.metrics import Task, TaskMetrics
 from stoker.train.precision import Precision
 
@@ -23,15 +24,21 @@ def evaluate(
     task: Task | None,
     prefix: str = "val",
     ignore_index: int | None = None,
+    metrics: Metrics = NO_METRICS,
 ) -> dict[str, float]:
-    """Loss and, by task, accuracy (classification) or MSE and MAE (regression).
+    """Loss and, by task, accuracy (classification) or MSE and MAE (regression), then
+    the run's other ``metrics`` (``train.metrics``).
 
     With ``ignore_index`` (token-level losses) batches are weighted by their real tokens.
-    The model is put back in training mode afterwards if it was in it.
+    The model is put back in training mode afterwards if it was in it. In a distributed
+    run every rank calls this on its share of the data, and every rank gets the whole
+    data set's figures.
     """
     was_training = model.training
     model.eval()
-    metrics = TaskMetrics(task, ignore_index=ignore_index, loss_fn=loss_fn)
+    task_metrics = TaskMetrics(task, ignore_index=ignore_index, loss_fn=loss_fn)
+    # The positions the loss skips are left out of the other metrics too.
+    extra = metrics.start(device=device, ignore_index=task_metrics.ignore_index)
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -44,7 +51,10 @@ def evaluate(
                     if ignore_index is not None
                     else batch_size_of(targets)
                 )
-                metrics.update(outputs, targets, loss, count)
+                task_metrics.update(outputs, targets, loss, count)
+                extra.update(outputs, targets)
     finally:
         model.train(was_training)
-    return metrics.compute(prefix)
+    values = task_metrics.compute(prefix)
+    values.update(extra.compute(prefix, reported=values))
+    return values

@@ -23,6 +23,7 @@ from stoker.train.batch import batch_size_of, explain_loss_failure, forward, spl
 from stoker.train.evaluate import evaluate
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import FiniteCheck, GradClipper, whole_tensor
+from stoker.train.metric_set import NO_METRICS, Metrics
 from stoker.train.metrics import StepWindow, Task, TaskMetrics
 from stoker.train.monitor import Monitor, update_monitor
 from stoker.train.numerics import (
@@ -113,6 +114,8 @@ class Loop:
     no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     #: Distributed: combines every rank's (loss finite, gradients finite) into one verdict.
     agree_finite: Callable[[bool, bool], tuple[bool, bool]] | None = None
+    #: ``train.metrics``: computed on the validation (and test) data, not per step.
+    metrics: Metrics = NO_METRICS
     #: ``optimizer.step()`` and ``zero_grad()`` as the loop makes them: through the scaler
     #: when scaling (fp16), else without torch.optim's Python when provably the same.
     optimizer_calls: OptimizerCalls = field(init=False, repr=False)
@@ -503,6 +506,7 @@ def run(loop: Loop) -> list[dict[str, Any]]:
                     precision=loop.precision,
                     task=loop.task,
                     ignore_index=_ignored(loop),
+                    metrics=loop.metrics,
                 )
             )
         bad_records = getattr(loop.train_loader, "bad_records", None)

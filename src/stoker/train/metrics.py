@@ -214,8 +214,9 @@ class TaskMetrics:
         """The epoch's metrics under ``prefix/`` (a CPU–GPU sync point).
 
         Classification: ``loss`` and ``accuracy``; with the built-in cross entropy over
-        tokens also ``perplexity``; regression: ``loss``, and for ``val`` ``mse`` and
-        ``mae`` (means over every predicted value, as ``MSELoss`` and ``L1Loss`` take).
+        tokens also ``perplexity``; regression: ``loss``, and for ``val`` and ``test``
+        ``mse`` and ``mae`` (means over every predicted value, as ``MSELoss`` and
+        ``L1Loss`` take).
 
         In a distributed run the sums are reduced over the ranks first, so every rank
         reports the whole epoch's metrics (each rank must call this at the same point).
@@ -229,7 +230,7 @@ class TaskMetrics:
         if totals["scoring"] and scored:
             if self.task == "classification":
                 values[f"{prefix}/accuracy"] = totals["correct"] / scored
-            elif self.task == "regression" and prefix == "val":
+            elif self.task == "regression" and prefix != "train":
                 values[f"{prefix}/mse"] = totals["sq_err"] / scored
                 values[f"{prefix}/mae"] = totals["abs_err"] / scored
         if totals["perplexity"] and totals["tokens"]:

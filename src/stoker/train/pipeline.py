@@ -22,6 +22,7 @@ from stoker.data.loader import EpochLoader, build_loader
 from stoker.distributed.sharding import rank_share
 from stoker.errors import ConfigError
 from stoker.train.losses import align_user_loss
+from stoker.train.metric_set import NO_METRICS, Metrics, build_metrics
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class UserComponents:
     val_data: Dataset | None = None
     loss_fn: Callable | None = None
     collate_fn: Callable | None = None
+    test_data: Dataset | None = None
+    #: Metric functions and objects, each with its key (None: from its name).
+    metrics: tuple[tuple[str | None, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,22 @@ class Pipeline:
     collate_fn: Callable | None
     train_loader: EpochLoader
     val_loader: EpochLoader | None
+    #: Evaluated once at the end of a run (``data.test``, ``data.test_fraction``); its
+    #: loader is built then (``build_eval_loader``), so no worker waits through training.
+    test_data: Dataset | None = None
+    #: ``train.metrics`` and ``stoker.fit(metrics=...)``, for validation and test.
+    metrics: Metrics = NO_METRICS
 
 
 def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -> Pipeline:
     """Build model, datasets, loss and loaders from config (``user`` objects win)."""
     device = resolve_device(config.train.device)
     model = user.model if user.model is not None else components.build_model(config)
+    test_data: Dataset | None
     if user.train_data is not None:
-        train_data, val_data = user.train_data, user.val_data
+        train_data, val_data, test_data = user.train_data, user.val_data, user.test_data
     else:
-        train_data, val_data = components.build_datasets(config)
+        train_data, val_data, test_data = components.build_splits(config)
     if user.loss_fn is not None:
         # PyTorch's own elementwise losses align (N, 1) with (N,) as the built-ins do.
         loss_fn = align_user_loss(user.loss_fn)
@@ -68,22 +78,7 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
     train_loader = build_train_loader(config, train_data, device=device, collate_fn=collate_fn)
     val_loader = None
     if val_data is not None:
-        loader_cfg = config.loader
-        val_loader = build_loader(
-            # DDP: each rank validates its share and the metric sums are reduced. FSDP needs
-            # every rank in every forward, so there each rank validates the whole set.
-            val_data if config.distributed.strategy == "fsdp" else rank_share(val_data),
-            batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
-            num_workers=loader_cfg.num_workers,
-            pin_memory=loader_cfg.pin_memory,
-            persistent_workers=loader_cfg.persistent_workers,
-            prefetch_factor=loader_cfg.prefetch_factor,
-            collate_fn=collate_fn,
-            seed=config.seed,
-            device=device,
-            timeout_s=loader_cfg.timeout_s,
-            split_across_ranks=False,  # already this rank's share (DDP), or all of it (FSDP)
-        )
+        val_loader = build_eval_loader(config, val_data, device=device, collate_fn=collate_fn)
     return Pipeline(
         config=config,
         device=device,
@@ -94,6 +89,32 @@ def build_pipeline(config: RunConfig, user: UserComponents = UserComponents()) -
         collate_fn=collate_fn,
         train_loader=train_loader,
         val_loader=val_loader,
+        test_data=test_data,
+        metrics=build_metrics(config.train.metrics, user.metrics),
+    )
+
+
+def build_eval_loader(
+    config: RunConfig, dataset: Dataset, *, device: torch.device, collate_fn: Callable | None
+) -> EpochLoader:
+    """The loader of validation (or test) data: in order, ``loader.val_batch_size``.
+
+    DDP: each rank evaluates its share and the metric sums are reduced. FSDP needs every
+    rank in every forward, so there each rank evaluates the whole set.
+    """
+    loader_cfg = config.loader
+    return build_loader(
+        dataset if config.distributed.strategy == "fsdp" else rank_share(dataset),
+        batch_size=loader_cfg.val_batch_size or loader_cfg.batch_size,
+        num_workers=loader_cfg.num_workers,
+        pin_memory=loader_cfg.pin_memory,
+        persistent_workers=loader_cfg.persistent_workers,
+        prefetch_factor=loader_cfg.prefetch_factor,
+        collate_fn=collate_fn,
+        seed=config.seed,
+        device=device,
+        timeout_s=loader_cfg.timeout_s,
+        split_across_ranks=False,  # already this rank's share (DDP), or all of it (FSDP)
     )
 
 

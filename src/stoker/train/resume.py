@@ -174,6 +174,7 @@ RESUME_KEYS = (
     ("train", "grad_accum_steps"),
     ("train", "precision"),
     ("data", "val_fraction"),
+    ("data", "test_fraction"),
     ("data", "split_seed"),
 )
 

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from stoker.observe.verdict import run_summary, summary_lines
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
+from stoker.train.metric_set import Metrics, monitor_mode
 from stoker.train.metrics import Task
 from stoker.train.model_errors import config_hints
 from stoker.train.monitor import Monitor
@@ -59,6 +60,7 @@ from stoker.train.resume import (
 )
 from stoker.train.rundir import create_run_dir, resume_command
 from stoker.train.state import TrainState, seed_everything
+from stoker.train.test_split import TestSplit
 
 logger = logging.getLogger("stoker")
 
@@ -77,6 +79,8 @@ class FitResult:
             (from 1: the ``epoch`` of that record in ``history``).
         stopped_early: Whether early stopping ended the run before its last epoch
             (patience running out in the last epoch is no early stop).
+        test_metrics: The test data's figures (``test/loss``, ...), evaluated once at
+            the end (``data.test``, ``data.test_fraction``); empty without test data.
     """
 
     metrics: dict[str, Any]
@@ -87,6 +91,7 @@ class FitResult:
     best_value: float | None
     best_epoch: int | None
     stopped_early: bool
+    test_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def train_run(
@@ -153,7 +158,8 @@ def _train_run(
     )
     precision = build_precision(config.train, device)
     state = TrainState()
-    monitor = _monitor(config, has_val=val_loader is not None)
+    monitor = _monitor(config, has_val=val_loader is not None, metrics=pipeline.metrics)
+    test = TestSplit.from_pipeline(config, pipeline)
 
     # Rank 0 makes the run dir; the others write into the same one.
     run_dir = dist.broadcast(_run_dir(config, resume) if dist.is_main else None)
@@ -323,6 +329,7 @@ def _train_run(
         normalize=config.loss.normalize,
         ignore_index=config.loss.ignore_index,
         history=history,
+        metrics=pipeline.metrics,
         checkpoint_every_steps=config.checkpoint.every_steps,
         on_step_checkpoint=save_in_epoch if config.checkpoint.enabled else None,
         resume_in_epoch=in_epoch,
@@ -348,6 +355,7 @@ def _train_run(
         whole = parts.weights.export_state(model)
         if dist.is_main:
             export_safetensors(model, run_dir / "model.safetensors", state=whole)
+        test_metrics = test.evaluate(loop, model=model, dist=dist, run_dir=run_dir)
     except TrainingInterrupted as stopped:
         stopped.hint = (
             f"resume with: {resume_command(resume_hint or '--resume {run_dir}', run_dir)}"
@@ -363,6 +371,7 @@ def _train_run(
             view.message(line)
         if skipped := summary.get("data", {}).get("bad_records"):
             view.message(f"skipped {skipped} bad record(s): {run_dir / 'bad_records.jsonl'}")
+        test.report(view, run_dir)
         write_report(run_dir)
         _say_where(view, run_dir, resume_hint)
     view.close()
@@ -376,6 +385,7 @@ def _train_run(
         best_value=state.best_value,
         best_epoch=state.best_epoch,
         stopped_early=loop.stopped_early,
+        test_metrics=test_metrics,
     )
 
 
@@ -474,16 +484,14 @@ def _task(config: RunConfig) -> Task | None:
     return None
 
 
-def _monitor(config: RunConfig, *, has_val: bool) -> Monitor:
+def _monitor(config: RunConfig, *, has_val: bool, metrics: Metrics | None = None) -> Monitor:
     metric = config.train.monitor or ("val/loss" if has_val else "train/loss")
     if metric.startswith("val/") and not has_val:
         raise ConfigError(
             f"train.monitor={metric} but the run has no validation data",
             hint="set data.val or data.val_fraction, or train.monitor=train/loss",
         )
-    mode = config.train.monitor_mode
-    if mode == "auto":
-        mode = "max" if "accuracy" in metric else "min"
+    mode = monitor_mode(metric, config.train.monitor_mode, metrics or Metrics())
     stopping = config.train.early_stopping
     return Monitor(
         metric=metric,

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from stoker.data import ArrayDataset, dataset_targets, split_dataset
+from stoker.data.sources import split_train_val_test
 from stoker.errors import ConfigError, DataError
 
 
@@ -161,3 +162,22 @@ def test_dataset_targets() -> None:
     assert dataset_targets(with_attr).tolist() == [1, 1, 0]
     assert dataset_targets(Squares()) is None
     assert dataset_targets(TensorDataset(torch.zeros(4))) is None
+
+
+def test_a_test_share_leaves_the_validation_split_as_it_was() -> None:
+    ds = ArrayDataset(torch.arange(100))
+    _, val_alone = split_dataset(ds, 0.2, seed=3)
+    train, val, test = split_train_val_test(ds, val_fraction=0.2, test_fraction=0.1, seed=3)
+    assert val is not None and test is not None
+    ids = [part.arrays[0].tolist() for part in (train, val, test)]  # type: ignore[attr-defined]
+    assert [len(part) for part in ids] == [70, 20, 10]
+    assert ids[1] == val_alone.arrays[0].tolist()
+    assert sorted(ids[0] + ids[1] + ids[2]) == list(range(100))
+    train, val, test = split_train_val_test(ds, val_fraction=None, test_fraction=0.25, seed=3)
+    assert val is None and len(test) == 25 and len(train) == 75  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="test_fraction must be strictly between 0 and 1"):
+        split_train_val_test(ds, val_fraction=None, test_fraction=1.0, seed=0)
+    with pytest.raises(DataError, match="into 3 parts"):
+        split_train_val_test(
+            ArrayDataset(torch.arange(2)), val_fraction=0.5, test_fraction=0.5, seed=0
+        )

@@ -431,3 +431,10 @@ def test_a_state_saved_before_separate_counts_still_loads() -> None:
         torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]), torch.tensor(1.0), 2
     )
     assert metrics.compute("val") == {"val/loss": 1.0, "val/accuracy": 7 / 10}
+
+
+def test_test_data_gets_the_regression_errors_too() -> None:
+    metrics = TaskMetrics("regression")
+    metrics.update(torch.tensor([1.0, 3.0]), torch.tensor([0.0, 0.0]), torch.tensor(5.0), 2)
+    assert metrics.compute("test") == {"test/loss": 5.0, "test/mse": 5.0, "test/mae": 2.0}
+    assert set(metrics.compute("train")) == {"train/loss"}
