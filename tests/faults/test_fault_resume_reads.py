@@ -8,6 +8,8 @@ dataset that augments with torch's global RNG in its workers included.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 from bitwise import assert_bitwise_equal
 from torch.utils.data import Dataset, get_worker_info
 
+import stoker
 from stoker.components import build_datasets
 from stoker.config import RunConfig
 from stoker.data import build_loader
@@ -24,6 +27,7 @@ from stoker.data.parquet import ParquetDataset
 from stoker.data.records import BadRecordError
 from stoker.data.streaming import ShardStream
 from stoker.data.tabular import CsvDataset
+from stoker.errors import TrainingInterrupted
 
 SAMPLES, FEATURES, BATCH, RESUME_AT, EPOCH = 96, 3, 8, 9, 1  # resume at batch 9 of 12
 
@@ -228,3 +232,40 @@ def test_shards_source_honours_data_bad_records(tmp_path) -> None:
     strict = build_datasets(RunConfig.model_validate(base))[0]
     with pytest.raises(BadRecordError, match=r"a\.jsonl, line 2: not a JSON value"):
         list(strict)
+
+
+class StopsTheRun(Augmented):
+    """Augmented; when armed, the worker that reads sample ``at`` sends SIGTERM to the
+    training process: a scheduler's stop, mid-epoch, at a batch the prefetch decides."""
+
+    def __init__(self, *, armed: bool) -> None:
+        super().__init__()
+        self.armed = torch.tensor(int(armed)).share_memory_()
+
+    def __getitem__(self, index: int):
+        if index == 5 and get_worker_info() is not None and int(self.armed):
+            self.armed.fill_(0)
+            os.kill(os.getppid(), signal.SIGTERM)
+        return super().__getitem__(index)
+
+
+@pytest.mark.slow  # three runs that start workers each epoch: ~15 s
+def test_training_stopped_mid_epoch_resumes_bitwise_with_workers(tmp_path) -> None:
+    """End to end: a run stopped mid-epoch and resumed (workers 2, a dataset that draws
+    from torch's RNG in them) ends with the weights of the run that was not stopped."""
+
+    def run(dataset, **where):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(8, 3))  # fmt: skip
+        options = {"epochs": 2, "batch_size": BATCH, "num_workers": 2, "seed": 4}
+        return stoker.fit(model, dataset, progress="quiet", tensorboard=False, fingerprint="off",
+                          every_steps=100, **options, **where)  # fmt: skip
+
+    straight = run(StopsTheRun(armed=False), run_dir=tmp_path / "straight")
+    with pytest.raises(TrainingInterrupted, match=r"SIGTERM .*\(epoch 1, .*checkpoint saved"):
+        run(StopsTheRun(armed=True), run_dir=tmp_path / "run")
+    dataset = StopsTheRun(armed=False)
+    resumed = run(dataset, resume=tmp_path / "run")
+    assert_bitwise_equal(straight.model.state_dict(), resumed.model.state_dict())
+    assert 0 < dataset.reads.total() < 2 * SAMPLES
