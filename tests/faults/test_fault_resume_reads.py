@@ -269,3 +269,20 @@ def test_training_stopped_mid_epoch_resumes_bitwise_with_workers(tmp_path) -> No
     resumed = run(dataset, resume=tmp_path / "run")
     assert_bitwise_equal(straight.model.state_dict(), resumed.model.state_dict())
     assert 0 < dataset.reads.total() < 2 * SAMPLES
+
+
+@pytest.mark.parametrize("sampler", ["weighted", "bucket"])
+def test_weighted_and_bucketed_loaders_resume_without_reading_the_head(sampler) -> None:
+    options = {"batch_size": BATCH, "seed": 2, "shuffle": True, "sampler": sampler}
+    if sampler == "weighted":
+        options["weights"] = torch.linspace(0.1, 1.0, SAMPLES)
+    dataset = Augmented()
+    dataset.lengths = lambda: torch.arange(SAMPLES) % 7 + 1  # what bucketing sorts by
+    straight, rng = _epoch(build_loader(dataset, **options))
+    fresh = Augmented()
+    fresh.lengths = dataset.lengths
+    resumed = build_loader(fresh, **options)
+    resumed.load_state_dict({"epoch": EPOCH, "batches_delivered": RESUME_AT})
+    torch.set_rng_state(rng)
+    assert_bitwise_equal(straight[RESUME_AT:], list(resumed))
+    assert fresh.reads.total() == sum(len(batch[1]) for batch in straight[RESUME_AT:])
