@@ -476,7 +476,8 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        worker = (worker + self._rotation) % workers
+        # Once: a persistent worker's copy keeps this object into the next epoch.
+        worker, self._rotation = (worker + self._rotation) % workers, 0
         plan = self._plan(workers)
         self.split_mode = plan.mode
         slot = plan.slot(self.rank, worker, self.world_size)
