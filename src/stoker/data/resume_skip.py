@@ -53,6 +53,10 @@ def start_past(dataloader: DataLoader, batches: int) -> bool:
             drop_last=dataloader.drop_last,
         )
         return True
+    if dataloader.num_workers > 0 and not isinstance(dataset, SeededFetch):
+        # Workers that draw from their own per-worker streams (a DataLoader built by
+        # hand) give a batch other numbers when the batches are dealt out differently.
+        return False
     batch_sampler = dataloader.batch_sampler
     if isinstance(batch_sampler, LengthBucketBatchSampler):
         batch_sampler.skip(batches)
