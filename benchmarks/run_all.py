@@ -143,6 +143,19 @@ def plan(quick: bool) -> dict[str, Plan]:
             300,
             {"OMP_NUM_THREADS": "1"},
         ),
+        # A resume at 90% of an epoch over a ~1 GB file against that epoch's time.
+        "resume_cost": (
+            "resume_cost.py",
+            lambda out, threads: [
+                *common(out, threads),
+                "--size-gb",
+                "0.1" if quick else "1",
+            ],
+            "resume_cost.json",
+            own_checks,
+            600,
+            {"OMP_NUM_THREADS": "1"},
+        ),
         # OMP_NUM_THREADS=1, as tuner.py's docstring runs it (memory.py too: with two
         # OpenMP threads on a busy 2-core machine its in-memory gathers stall for ms).
         "tuner": (

@@ -1,10 +1,16 @@
-"""FSDP2 on CPU (gloo): sharded training reaches DDP's weights and saves whole tensors."""
+"""FSDP2 on CPU (gloo): sharded training reaches DDP's weights, checkpoints each rank's shard,
+resumes exactly and exports whole tensors."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from stoker.checkpoint import DamagedCheckpointError, load_checkpoint
+from stoker.distributed.fsdp import ShardedWeights
 
 pytestmark = pytest.mark.distributed
 
@@ -13,7 +19,7 @@ def test_fsdp_trains_like_ddp_and_exports_whole_weights(write_config, run_stoker
     config = write_config(
         data={"val_fraction": 0.2},
         train={"epochs": 2, "grad_accum_steps": 2},
-        checkpoint={"enabled": True, "every_steps": 3},
+        checkpoint={"enabled": True, "every_steps": 3, "keep_last": 10},
     )
     runs = {}
     for strategy in ("ddp", "fsdp"):
@@ -36,7 +42,47 @@ def test_fsdp_trains_like_ddp_and_exports_whole_weights(write_config, run_stoker
         assert runs["fsdp"][name].shape == tensor.shape  # whole tensors, not one rank's shard
         torch.testing.assert_close(runs["fsdp"][name], tensor, rtol=1e-5, atol=1e-6)
 
-    # The checkpoint holds whole tensors too, loadable into the plain model.
-    checkpoints = sorted((tmp_path / "fsdp" / "checkpoints").glob("step-*/state.pt"))
-    state = torch.load(checkpoints[-1], weights_only=True)
-    assert state["model"]["0.weight"].shape == (32, 8)
+    # Checkpoints hold each rank's shard (torch.distributed.checkpoint), listed and hashed
+    # in state.pt, inside the usual manifest + marker; no process gathered the whole model.
+    checkpoints = tmp_path / "fsdp" / "checkpoints"
+    folders = sorted(p.parent for p in checkpoints.glob("*/COMPLETE"))
+    state = load_checkpoint(folders[-1])  # verified: marker, manifest, every byte
+    files = state["model"]["sharded_weights"]["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not any(isinstance(v, torch.Tensor) for v in state["model"].values())
+
+    # Resumed on 2 processes from the mid-epoch checkpoint (the later ones taken away),
+    # the run ends with the weights of the uninterrupted one, bit for bit.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", resumed)
+    mid = next(f for f in folders if load_checkpoint(f)["in_epoch"] is not None)
+    for folder in folders[folders.index(mid) + 1 :]:
+        shutil.rmtree(resumed / "checkpoints" / folder.name)
+    result = run_stoker(
+        "train", str(config), "distributed.strategy=fsdp", "--nproc", "2",
+        "--resume", str(resumed), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = load_file(resumed / "model.safetensors")
+    for name, tensor in runs["fsdp"].items():
+        assert torch.equal(got[name], tensor), name
+
+    # A damaged shard is named before anything loads.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(resumed, damaged)
+    latest = sorted(p.parent for p in (damaged / "checkpoints").glob("*/COMPLETE"))[-1]
+    with (latest / "shards" / "__1_0.distcp").open("r+b") as shard:
+        shard.write(b"\x00")
+    with pytest.raises(DamagedCheckpointError, match="__1_0.distcp was altered"):
+        ShardedWeights(_OneRank(), checkpoints=latest.parent).load(
+            None, None, load_checkpoint(latest)["model"], {}
+        )
+
+
+class _OneRank:
+    """The collectives of a world of one, for checking shards outside a distributed run."""
+
+    rank, world_size = 0, 1
+
+    def all_gather(self, value):
+        return [value]

@@ -9,7 +9,7 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -233,6 +233,7 @@ class Checkpointer:
         epoch: int,
         step: int,
         metrics: Mapping[str, Any] | None = None,
+        write_first: Callable[[Path, str], Mapping[str, Any]] | None = None,
     ) -> Path:
         """Writes a checkpoint folder, points last.json (and best.json) at it, rotates.
 
@@ -244,6 +245,9 @@ class Checkpointer:
             metrics: The metrics of this point; must hold ``monitor`` when best is kept.
                 None (a save between validations, e.g. mid-epoch) makes this checkpoint no
                 candidate for best.
+            write_first: Called as ``write_first(temp_folder, final_name)`` before
+                state.pt is written (every rank's weight shards, see
+                :mod:`stoker.checkpoint.sharded`); what it returns is added to the state.
 
         Returns:
             The checkpoint folder written.
@@ -296,9 +300,10 @@ class Checkpointer:
         temp = self._directory / f"{TEMP_PREFIX}{name}-{secrets.token_hex(4)}"
         try:
             os.mkdir(temp)
+            extra = write_first(temp, name) if write_first is not None else {}
             write_checkpoint_files(
                 temp,
-                {**state, STATE_KEY: after},
+                {**state, **extra, STATE_KEY: after},
                 sequence=sequence,
                 epoch=epoch,
                 step=step,

@@ -245,6 +245,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             return count // self.world_size
         return math.ceil(count / self.world_size)
 
+    def skip(self, count: int) -> None:
+        """Make the next pass start after this epoch's first ``count`` batches (unread)."""
+        self._position.restore(min(max(int(count), 0), len(self)))
+
     def state_dict(self) -> dict[str, int]:
         """What resumes this sampler: ``{"epoch", "batches_yielded", "world_size"}``."""
         return {

@@ -158,9 +158,20 @@ def shards(
     shuffle_buffer: int = 0,
     seed: int = 0,
     uneven: str = "drop",
+    bad_records: BadRecordPolicy = "error",
 ) -> ShardStream:
-    """A stream over shard files (a glob or a list): ``.jsonl``, ``.npy`` or ``.pt``."""
-    return ShardStream(path, shuffle_buffer=shuffle_buffer, seed=seed, uneven=uneven)  # type: ignore[arg-type]
+    """A stream over shard files (a glob or a list): ``.jsonl``, ``.npy`` or ``.pt``.
+
+    ``bad_records`` (``data.bad_records`` unless given): a ``.jsonl`` line that does not
+    parse stops the run (``error``) or is dropped and logged (``skip``).
+    """
+    return ShardStream(
+        path,
+        shuffle_buffer=shuffle_buffer,
+        seed=seed,
+        uneven=uneven,  # type: ignore[arg-type]
+        bad_records=bad_records,
+    )
 
 
 SOURCES = {

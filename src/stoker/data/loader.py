@@ -13,7 +13,6 @@ from torch.utils.data import (
     Dataset,
     IterableDataset,
     Sampler,
-    SequentialSampler,
     Subset,
     TensorDataset,
 )
@@ -44,9 +43,11 @@ from stoker.data.loader_fast import (
     serves_in_process,
 )
 from stoker.data.records import BadRecordLog, FilteredBatch
+from stoker.data.resume_skip import SeededFetch, start_past
 from stoker.data.samplers import (
     BlockShuffleSampler,
     EpochRandomSampler,
+    ResumableSequentialSampler,
     epoch_seed,
     rank_and_world_size,
 )
@@ -148,9 +149,16 @@ class EpochLoader:
         self.note: str | None = None
         self.bad_records = BadRecordLog(None)
         self.epoch = 0
-        #: Batches handed out in the current epoch's pass (0 before it starts).
+        #: Batches handed out in the current epoch (0 before its pass starts), those
+        #: before a resumed position included.
         self.batches_delivered = 0
         self._skip = 0
+        # Batches of the index source read (delivered, and all-bad ones dropped) at the
+        # position resumed from, and the delivered count at each drop since (see
+        # batches_read); they map a delivered count to where the source must restart.
+        self._resumed_read = 0
+        self._resumed_delivered = 0
+        self._drops: list[int] = []
         self.set_epoch(epoch)
 
     @property
@@ -168,9 +176,11 @@ class EpochLoader:
         Selecting another epoch than the current one drops a resumed position.
         """
         if int(epoch) != self.epoch:
-            self._skip = 0
+            self._skip = self._resumed_read = 0
         self.batches_delivered = 0
         self.epoch = int(epoch)
+        if isinstance(self.dataloader.dataset, SeededFetch):
+            self.dataloader.dataset.set_fetch_epoch(self.epoch)
         for part in (self.sampler, self.dataset):
             set_part_epoch = getattr(part, "set_epoch", None)
             if callable(set_part_epoch):
@@ -187,7 +197,21 @@ class EpochLoader:
             # Worker base seeds are drawn from this generator when the iterator is built.
             generator.manual_seed(epoch_seed(self.seed, self.epoch, stream=_WORKER_STREAM))
         skip, self._skip = self._skip, 0
+        self._resumed_delivered = self.batches_delivered = skip
+        if not skip:
+            self._resumed_read = 0
+        self._drops = []
         return skip
+
+    def batches_read(self, delivered: int) -> int:
+        """Batches of the index source read by the time ``delivered`` batches were handed out.
+
+        More than ``delivered`` when batches whose every record was bad were dropped.
+        """
+        if delivered < self._resumed_delivered:
+            return delivered
+        dropped = sum(1 for at in self._drops if at < delivered)
+        return self._resumed_read + delivered - self._resumed_delivered + dropped
 
     def _gathered_pass(self) -> Iterator[Any]:
         """In-memory arrays: the batches of the in-process DataLoader, gathered by blocks.
@@ -195,7 +219,7 @@ class EpochLoader:
         Gathering is pure (no state, no randomness, no bad records), so a resumed pass
         starts at its first undelivered batch without reading the ones before it.
         """
-        skip, self._skip = self._skip, 0  # no workers to seed
+        skip = self._begin_pass()  # no workers to seed
         rows = epoch_rows(self.dataloader.batch_sampler)  # type: ignore[arg-type]
         if skip:
             rows = rows[skip * self._gather.batch_size :]  # type: ignore[union-attr]
@@ -206,15 +230,18 @@ class EpochLoader:
 
     def _pass(self) -> Iterator[Any]:
         skip = self._begin_pass()
+        read = self._resumed_read if skip else 0
+        # Resuming mid-epoch: the index source starts past the batches already trained
+        # on, none of them read again (see resume_skip).
         if self._direct:
-            batches = self._direct_batches()
-        elif self._watch is not None:
-            batches = self._watch.batches()
+            batches, skip = self._direct_batches(read), 0
         else:
-            batches = self.dataloader
-        # Resuming mid-epoch: replay the pass and drop the batches already trained on.
-        # Every order and seed here is a function of (seed, epoch), so the replay is
-        # exact for any sampler, stream or worker count; it costs reading those batches.
+            if skip and start_past(self.dataloader, read):
+                skip = 0
+            batches = self._watch.batches() if self._watch is not None else self.dataloader
+        # A sampler or stream of one's own cannot be positioned: replay the pass and drop
+        # the batches already trained on. Every order and seed here is a function of
+        # (seed, epoch), so the replay is exact; it costs reading those batches.
         replayed = 0
         log = self.bad_records
         # Skipped records of replayed batches were logged before the restart.
@@ -224,6 +251,8 @@ class EpochLoader:
             if isinstance(batch, FilteredBatch):
                 batch = self._unwrap(batch, log=unlogged if replaying else log)
                 if batch is None:
+                    if not replaying:
+                        self._drops.append(self.batches_delivered)
                     continue
             elif log.consecutive and not replaying:
                 log.record_good(collated_size(batch))
@@ -253,11 +282,12 @@ class EpochLoader:
             batch = pin_memory(batch)
         return batch
 
-    def _direct_batches(self) -> Iterator[Any]:
-        """The batches the single-process DataLoader would yield, fetched with less overhead."""
+    def _direct_batches(self, start: int = 0) -> Iterator[Any]:
+        """The batches the single-process DataLoader would yield, from batch ``start`` on,
+        fetched with less overhead."""
         batch_sampler = self.dataloader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
-        chunks = epoch_batches(batch_sampler)
+        chunks = epoch_batches(batch_sampler, start=start)
         dataset = self._fetched
         fetch = dataset.__getitems__  # type: ignore[attr-defined]
         # ArrayDataset takes index tensors; other datasets get the list[int] PyTorch passes.
@@ -290,12 +320,21 @@ class EpochLoader:
                 from the batches handed out (a prefetcher holds one ahead).
         """
         done = self.batches_delivered if batches_consumed is None else batches_consumed
-        return {"epoch": self.epoch, "batches_delivered": done} if done else {"epoch": self.epoch}
+        if not done:
+            return {"epoch": self.epoch}
+        state = {"epoch": self.epoch, "batches_delivered": done}
+        read = self.batches_read(done)
+        return state | {"batches_read": read} if read != done else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: the next pass starts after the delivered batches."""
+        """Restore a :meth:`state_dict`: the next pass starts after the delivered batches.
+
+        ``batches_read`` (present when batches of bad records only were dropped) is where
+        the index source restarts; ``batches_delivered`` what the loop counts.
+        """
         self.set_epoch(int(state["epoch"]))
         self._skip = int(state.get("batches_delivered", 0))
+        self._resumed_read = int(state.get("batches_read", self._skip))
 
     def __repr__(self) -> str:
         return (
@@ -418,8 +457,6 @@ def build_loader(
         batched = False
         # Samples may be BadSample stand-ins (bad_records="skip"); never collate those.
         collate_fn = skip_bad_collate(collate_fn)
-    # Read through a wrapper, so that an exception names the sample (and worker).
-    fetched: Dataset = dataset if streaming else NamedFetch(dataset, batched=batched)
     note = None
     if num_workers > 0 and serves_in_process(dataset, batched=batched):
         # A batch of in-memory arrays is one gather away: workers would only pickle and
@@ -427,6 +464,15 @@ def build_loader(
         note = in_process_note(num_workers)
         say_once(note, key="in-process")
         num_workers = 0
+    # Read through a wrapper, so that an exception names the sample (and worker); in
+    # workers each batch under seeds of its own, so a resume may skip batches exactly.
+    fetched: Dataset = dataset
+    if not streaming:
+        fetched = (
+            SeededFetch(dataset, batched=batched, seed=seed)
+            if num_workers > 0
+            else NamedFetch(dataset, batched=batched)
+        )
 
     index_sampler: Sampler | None = None
     if resolved == "random" and callable(getattr(dataset, "row_group_offsets", None)):
@@ -440,7 +486,7 @@ def build_loader(
         # In order, but split across the ranks (else every rank would read everything).
         index_sampler = EpochRandomSampler(length, seed=seed, shuffle=False)
     elif not streaming:
-        index_sampler = SequentialSampler(fetched)  # type: ignore[arg-type]
+        index_sampler = ResumableSequentialSampler(fetched)
 
     worker_options: dict[str, Any] = {}
     if num_workers > 0:

@@ -19,7 +19,7 @@ from itertools import chain
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler, SequentialSampler
 
-from stoker.data.samplers import EpochOrderSampler, index_dtype
+from stoker.data.samplers import EpochOrderSampler, ResumableSequentialSampler, index_dtype
 from stoker.data.sources import ArrayDataset
 
 __all__ = [
@@ -64,18 +64,21 @@ def epoch_rows(batch_sampler: BatchSampler) -> torch.Tensor:
     return rows
 
 
-def epoch_batches(batch_sampler: BatchSampler) -> Iterable[torch.Tensor]:
-    """The epoch's batches of indices, as ``BatchSampler`` would cut them (never empty).
+def epoch_batches(batch_sampler: BatchSampler, *, start: int = 0) -> Iterable[torch.Tensor]:
+    """The epoch's batches of indices, as ``BatchSampler`` would cut them (never empty),
+    from batch ``start`` on (a resumed pass: the ones before it are never read).
 
     In order, each batch is made when it is asked for: the epoch's whole index (4 bytes
     a sample, 29 MiB for the 7.6 M rows of a 2 GB file) is never held.
     """
     size = batch_sampler.batch_size
-    if type(batch_sampler.sampler) is SequentialSampler:
+    if type(batch_sampler.sampler) in (SequentialSampler, ResumableSequentialSampler):
         total = len(batch_sampler.sampler)
         stop = total // size * size if batch_sampler.drop_last else total
-        return (torch.arange(start, min(start + size, stop)) for start in range(0, stop, size))
-    return [chunk for chunk in epoch_rows(batch_sampler).split(size) if len(chunk)]
+        first = start * size
+        return (torch.arange(at, min(at + size, stop)) for at in range(first, stop, size))
+    rows = epoch_rows(batch_sampler)[start * size :]
+    return [chunk for chunk in rows.split(size) if len(chunk)]
 
 
 def in_memory_arrays(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, SequentialSampler
 
 from stoker.errors import ConfigError, DataError
 
@@ -23,6 +23,7 @@ __all__ = [
     "EpochOrderSampler",
     "EpochPosition",
     "EpochRandomSampler",
+    "ResumableSequentialSampler",
     "epoch_seed",
     "index_dtype",
     "rank_and_world_size",
@@ -235,6 +236,14 @@ class EpochOrderSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return _pass_over(self, self.epoch_indices())
 
+    def skip(self, count: int) -> None:
+        """Make the next pass start after the first ``count`` indices of this epoch's order.
+
+        How a loader resumes mid-epoch without reading what it already trained on: the
+        order is a function of ``(seed, epoch)``, so the rest of it is known unread.
+        """
+        self._position.restore(min(max(int(count), 0), len(self)))  # type: ignore[arg-type]
+
     def state_dict(self) -> dict[str, int]:
         """What resumes this sampler: ``{"seed", "epoch"}``, and mid-epoch the position.
 
@@ -327,6 +336,26 @@ class EpochRandomSampler(EpochOrderSampler):
         if self.drop_last:
             return self.num_samples // self.world_size
         return math.ceil(self.num_samples / self.world_size)
+
+
+class ResumableSequentialSampler(SequentialSampler):
+    """``SequentialSampler`` whose next pass can start past its first indices (:meth:`skip`).
+
+    The loader's in-order sampler: a mid-epoch resume starts at the first sample not yet
+    trained on instead of reading the ones before it again.
+    """
+
+    def __init__(self, data_source: Any) -> None:
+        super().__init__(data_source)
+        self.start = 0  # where the next pass starts; back to 0 once it has
+
+    def skip(self, count: int) -> None:
+        """Make the next pass start at index ``count``."""
+        self.start = min(max(int(count), 0), len(self))
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return iter(range(start, len(self)))
 
 
 class BlockShuffleSampler(EpochRandomSampler):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from stoker.data.records import BadRecordPolicy, bad_record
 from stoker.data.samplers import epoch_seed, rank_and_world_size
 from stoker.errors import ConfigError, DataError
 
@@ -33,18 +34,27 @@ _SHARD_ORDER_STREAM = 4
 _BUFFER_STREAM = 5
 
 
-def _read_jsonl(path: Path) -> Iterator[Any]:
+def _read_jsonl(path: Path, policy: BadRecordPolicy = "error") -> Iterator[Any]:
+    """The JSON values of a JSON Lines file; a line that does not parse is a bad record.
+
+    Under ``policy="skip"`` a :class:`~stoker.data.records.BadSample` takes its place, so
+    the shard's sample count (and every position after it) stays what it was counted as.
+    """
     with path.open("rb") as file:
         for number, line in enumerate(file, 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{path}, line {number}: not a JSON object ({error.msg}).",
-                    hint="write one JSON object per line (JSON Lines)",
-                ) from error
+                value = json.loads(line)
+            except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+                reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+                value = bad_record(
+                    policy,
+                    source=str(path),
+                    location=f"line {number}",
+                    reason=f"not a JSON value ({reason}); write one JSON object per line",
+                )
+            yield value
 
 
 def _count_jsonl(path: Path) -> int:
@@ -235,6 +245,7 @@ class ShardStream(IterableDataset):
         batch_size: int | None = None,
         lengths: Sequence[int] | None = None,
         num_workers: int = 0,
+        bad_records: BadRecordPolicy = "error",
     ) -> None:
         """Build the stream.
 
@@ -254,6 +265,9 @@ class ShardStream(IterableDataset):
             lengths: Samples per shard, in ``shards`` order, if known (skips counting).
             num_workers: The DataLoader's ``num_workers``, used by ``len()``,
                 ``split_mode`` and the padded/dropped counts before iteration.
+            bad_records: A ``.jsonl`` line that does not parse: ``error`` raises naming
+                the file and line; ``skip`` yields a ``BadSample`` in its place, which the
+                loader drops and logs (``data.bad_records``).
 
         Raises:
             DataError: No shards, a missing file, or a format without a reader.
@@ -269,6 +283,12 @@ class ShardStream(IterableDataset):
                     f"{', '.join(_FORMATS)}.",
                     hint="pass read_shard=a function from a Path to an iterable of samples",
                 )
+        if bad_records not in ("error", "skip"):
+            raise ConfigError(
+                f"ShardStream bad_records={bad_records!r}; expected 'error' or 'skip'.",
+                hint="set data.bad_records=error (stop) or skip (drop and log)",
+            )
+        self.bad_records: BadRecordPolicy = bad_records
         self._check_int("shuffle_buffer", shuffle_buffer, 0)
         self._check_int("num_workers", num_workers, 0)
         if batch_size is not None:
@@ -291,6 +311,7 @@ class ShardStream(IterableDataset):
         self.epoch = 0
         self._yielded: list[int] = []  # per worker of this rank, in the iterating process
         self._resume: list[int] = []  # pending skips from load_state_dict
+        self._rotation = 0  # a resumed pass's worker w reads the share of w + _rotation
         self._len_asked = False
         self.split_mode: SplitMode = self._mode(num_workers)
 
@@ -316,6 +337,8 @@ class ShardStream(IterableDataset):
         path = self.shards[index]
         if self.read_shard is not None:
             return self.read_shard(path)
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path, self.bad_records)
         return _FORMATS[path.suffix][0](path)
 
     def count_lengths(self) -> list[int]:
@@ -335,7 +358,7 @@ class ShardStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``'s order; a different epoch starts from its beginning."""
         if int(epoch) != self.epoch:
-            self._yielded, self._resume = [], []
+            self._yielded, self._resume, self._rotation = [], [], 0
         self.epoch = int(epoch)
 
     def _mode(self, num_workers: int) -> SplitMode:
@@ -453,10 +476,12 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # Once: a persistent worker's copy keeps this object into the next epoch.
+        worker, self._rotation = (worker + self._rotation) % workers, 0
         plan = self._plan(workers)
         self.split_mode = plan.mode
         slot = plan.slot(self.rank, worker, self.world_size)
-        if self.rank == 0 and worker == 0:
+        if self.rank == 0 and (info is None or info.id == 0):
             self._log_plan(plan, info.num_workers if info is not None else 0)
         if self._resume and len(self._resume) != workers and any(self._resume):
             raise ConfigError(
@@ -518,6 +543,48 @@ class ShardStream(IterableDataset):
                     *(self.uneven, self.batch_size),
                 )
 
+    def skip_batches(
+        self, batches: int, *, batch_size: int, num_workers: int, drop_last: bool = False
+    ) -> None:
+        """Make the next pass start after the first ``batches`` batches a DataLoader gave.
+
+        How a loader resumes mid-epoch without reading those batches again. A DataLoader
+        takes its workers' batches in turn, passing over a worker once its stream has
+        ended; each worker's share is in the epoch's plan (the shards are counted once
+        for it), so every worker's position follows from the count alone. Whole shards
+        before a position are then skipped unread; with a shuffle buffer a slot's shards
+        are read up to the position (a buffer's order depends on every sample before it),
+        but nothing is decoded into batches, collated or handed on.
+        """
+        workers = max(num_workers, 1)
+        self.count_lengths()
+        plan = self._plan(num_workers)
+        assert plan.targets is not None, "counted lengths give a plan with shares"
+        shares = plan.targets[self.rank]
+        per_worker = [n // batch_size if drop_last else math.ceil(n / batch_size) for n in shares]
+        taken = [0] * workers
+        left, last = int(batches), workers - 1  # `last`: the worker that gave the last batch
+        while left > 0:
+            active = [w for w in range(workers) if taken[w] < per_worker[w]]
+            if not active:
+                break
+            rounds = min(left // len(active), min(per_worker[w] - taken[w] for w in active))
+            for w in active:
+                if rounds:
+                    taken[w] += rounds
+                    last = w
+                elif left:  # a last, partial round: in worker order
+                    taken[w] += 1
+                    left -= 1
+                    last = w
+            left -= rounds * len(active)
+        counts = [min(t * batch_size, n) for t, n in zip(taken, shares, strict=True)]
+        self._resume, self._yielded = list(counts), list(counts)
+        # The DataLoader starts its turns at worker 0 again, while the batch due next is
+        # the following worker's: in the resumed pass, worker w reads the share of worker
+        # w + rotation, and the turns then run on as they did (exhausted shares passed over).
+        self._rotation = (last + 1) % workers
+
     def state_dict(self) -> dict[str, Any]:
         """What resumes this stream: ``{"epoch", "samples_yielded", "world_size"}``.
 
@@ -541,3 +608,4 @@ class ShardStream(IterableDataset):
         self.epoch = int(state["epoch"])
         self._resume = counts
         self._yielded = list(counts)
+        self._rotation = 0

@@ -2,14 +2,15 @@
 
 For models whose weights, gradients and Adam state do not fit one device. The model is
 sharded in place (its parameters become DTensors), so the optimizer must be built after
-:func:`shard_model`, and whole (unsharded) state dicts are gathered for checkpoints and
-the exported weights.
+:func:`shard_model`. Checkpoints hold every rank's shard (:class:`ShardedWeights`); whole
+(unsharded) tensors are gathered only for the exported weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from stoker.checkpoint.manifest import DamagedCheckpointError
+from stoker.checkpoint.sharded import (
+    SHARDED,
+    check_shards,
+    is_sharded_entry,
+    list_shards,
+    read_shards,
+    write_shards,
+)
 
 _WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -69,14 +80,42 @@ def gradient_sync_off(model: nn.Module) -> Iterator[None]:
 
 
 class ShardedWeights:
-    """Whole state dicts from a sharded model: gathered on every rank, kept on rank 0's CPU."""
+    """The weights of a sharded model in checkpoints: each rank writes and reads its shard.
+
+    Checkpoints hold the weights as every rank's shard, written with
+    ``torch.distributed.checkpoint`` inside the checkpoint folder (see
+    :mod:`stoker.checkpoint.sharded`): no process ever holds the whole model. Only the
+    exported ``model.safetensors`` gathers whole tensors, once, at the end. A checkpoint
+    of whole dicts (written before sharded checkpoints) still loads.
+    """
+
+    def __init__(self, dist: Any = None, *, checkpoints: Path | None = None) -> None:
+        """``dist``: the run's Distributed (its collectives); ``checkpoints``: the folder
+        a resumed bundle's shards are read from."""
+        self.dist = dist
+        self.checkpoints = checkpoints
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """A collective: every rank must call it; rank 0 gets the whole dicts."""
-        return (
-            get_model_state_dict(model, options=_WHOLE),
-            get_optimizer_state_dict(model, optimizer, options=_WHOLE),
-        )
+        """Stand-ins: the shards are written by :meth:`write_first` during the save."""
+        return {SHARDED: {}}, {SHARDED: {}}
+
+    def write_first(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Callable[[Path, str], dict[str, Any]]:
+        """Rank 0's part of a save: tell the ranks the folder, write with them, list it."""
+
+        def write(temp: Path, name: str) -> dict[str, Any]:
+            self.dist.broadcast(str(temp))
+            write_shards(temp, _sharded_state(model, optimizer))
+            entry = {SHARDED: {"checkpoint": name, "files": list_shards(temp)}}
+            return {"model": entry, "optimizer": {SHARDED: {"checkpoint": name}}}
+
+        return write
+
+    def join_write(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The other ranks' part of a save: write their shards where rank 0 says."""
+        temp = self.dist.broadcast(None)
+        write_shards(Path(temp), _sharded_state(model, optimizer))
 
     def export_state(self, model: nn.Module) -> dict:
         """The whole weights alone, for ``model.safetensors`` (a collective)."""
@@ -89,7 +128,31 @@ class ShardedWeights:
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any],
     ) -> None:
-        """Every rank loads the whole dicts (read from the checkpoint) and keeps its shard."""
-        whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_state, options=whole)
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=whole)
+        """Every rank reads its shards (checked first, by all ranks together) and loads them.
+
+        Whole dicts (an older checkpoint) are loaded by every rank, which keeps its shard.
+        """
+        if not is_sharded_entry(model_state):
+            whole = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, model_state, options=whole)
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=whole)
+            return
+        entry = model_state[SHARDED]
+        assert self.checkpoints is not None, "a resumed FSDP run names its checkpoints folder"
+        folder = self.checkpoints / entry["checkpoint"]
+        problem = check_shards(folder, entry["files"], part=(self.dist.rank, self.dist.world_size))
+        problems = [p for p in self.dist.all_gather(problem) if p]
+        if problems:
+            raise DamagedCheckpointError(folder, problems[0])
+        state = _sharded_state(model, optimizer)
+        read_shards(folder, state)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state (DTensors), as DCP saves them."""
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }

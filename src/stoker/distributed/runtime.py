@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -167,12 +168,13 @@ class Distributed:
             find_unused_parameters=config.find_unused_parameters,
         )
 
-    def weights_io(self, config: DistributedConfig) -> Any:
-        """How checkpoints read and load the weights: whole dicts gathered under FSDP."""
+    def weights_io(self, config: DistributedConfig, *, checkpoints: Path | None = None) -> Any:
+        """How checkpoints write and load the weights: each rank its shard under FSDP
+        (read back from the ``checkpoints`` folder)."""
         if self.enabled and config.strategy == "fsdp":
             from stoker.distributed.fsdp import ShardedWeights
 
-            return ShardedWeights()
+            return ShardedWeights(self, checkpoints=checkpoints)
         from stoker.train.resume import PlainWeights
 
         return PlainWeights()

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from stoker.checkpoint import Checkpointer
+from stoker.checkpoint.sharded import is_sharded_entry
 from stoker.data.fingerprint import Fingerprint
 from stoker.data.records import BadRecordLog
+from stoker.errors import CheckpointError
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, StopRequest
 from stoker.train.precision import Precision
@@ -32,11 +34,19 @@ from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
 class PlainWeights:
     """The model's and optimizer's own state dicts (one process, or DDP's full copies).
 
-    FSDP swaps in ``stoker.distributed.fsdp.ShardedWeights``, which gathers whole dicts.
+    FSDP swaps in ``stoker.distributed.fsdp.ShardedWeights``, where each rank writes its
+    shard during the save (``write_first`` on rank 0, ``join_write`` on the others).
     """
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         return model.state_dict(), optimizer.state_dict()
+
+    def write_first(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to write beside state.pt."""
+        return None
+
+    def join_write(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing for the ranks that do not write the checkpoint."""
 
     def export_state(self, model: nn.Module) -> dict | None:
         """The weights to export, when the model's own state dict is not whole: None."""
@@ -49,6 +59,13 @@ class PlainWeights:
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any],
     ) -> None:
+        if is_sharded_entry(model_state):
+            raise CheckpointError(
+                "this checkpoint holds the weights as the shards of an FSDP run "
+                "(distributed.strategy=fsdp); this run does not shard the model.",
+                hint="resume with distributed.strategy=fsdp and the same --nproc, or read "
+                "the exported model.safetensors",
+            )
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
 

@@ -223,7 +223,7 @@ def _train_run(
         train_loader=train_loader,
         config=config.to_dict(),
         fingerprint=fingerprint,
-        weights=dist.weights_io(config.distributed),
+        weights=dist.weights_io(config.distributed, checkpoints=run_dir / "checkpoints"),
     )
     history: list[dict[str, Any]] = []
     in_epoch = None
@@ -282,7 +282,10 @@ def _train_run(
                     epoch=epoch,
                     step=state.step,
                     metrics=metrics,
+                    write_first=parts.weights.write_first(model, optimizer),
                 )
+        else:
+            parts.weights.join_write(model, optimizer)  # FSDP: each rank writes its shard
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
         if config.checkpoint.enabled:
