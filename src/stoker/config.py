@@ -443,7 +443,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 
 def write_config(config: RunConfig, path: str | Path) -> None:
     """Write the resolved config (every default filled in) as YAML."""
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    # Through safe_files: a run dir's config.yaml that is a symlink is refused, not followed.
+    from stoker.safe_files import write_text
+
+    write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 # --- flat keyword options for stoker.fit -----------------------------------------------
