@@ -10,7 +10,7 @@ import weakref
 from pathlib import Path
 
 from stoker.errors import CheckpointError
-from stoker.safe_files import RunFileError, open_fd
+from stoker.safe_files import RunFileError, describe_os_error, open_fd
 
 try:
     import fcntl
@@ -94,9 +94,9 @@ class FolderLock:
         except RunFileError as exc:
             raise CheckpointError(exc.message, hint=exc.hint) from None
         except OSError as exc:
+            reason, fix = describe_os_error(exc, folder)
             raise CheckpointError(
-                f"Could not open the lock file {self.path}: {exc.strerror or exc}.",
-                hint=f"make {folder} writable, or write the run to another folder",
+                f"Could not open the lock file {self.path}: {reason}.", hint=fix
             ) from exc
         if not self._try_lock(fd):
             # An unclosed Checkpointer of this process may only be waiting for the collector.

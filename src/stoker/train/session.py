@@ -397,7 +397,11 @@ def _check_resume_config(
     if not changed:
         return
     if allow:
-        logger.warning("resuming with changed settings: %s", "; ".join(changed))
+        logger.warning(
+            "resuming with changed settings (--allow-config-change), so the run is no longer "
+            "exact: %s",
+            "; ".join(changed),
+        )
         return
     raise ConfigError(
         "the run being resumed was trained with other settings, so it could not continue "
