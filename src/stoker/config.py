@@ -17,6 +17,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -58,9 +59,16 @@ class DataConfig(Section):
         "fast",
         description=(
             "Content fingerprint of the training data, checked on resume: `fast` hashes sizes "
-            "and sampled blocks, `full` every byte."
+            "and sampled blocks, `full` every byte, `off` none (YAML reads a bare `off` as "
+            "false, which means `off` here too)."
         ),
     )
+
+    @field_validator("fingerprint", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) turns `fingerprint: off` into False before pydantic sees it.
+        return "off" if value is False else value
     cache: Literal["none", "memory", "disk"] = Field(
         "none", description="Cache decoded samples so per-sample work happens once."
     )

@@ -163,7 +163,7 @@ def render_report(run_dir: str | os.PathLike[str]) -> str:
     if not run_dir.is_dir():
         raise StokerError(
             f"{run_dir} is a file, not a run dir",
-            hint=f"give the folder that holds it: stoker report {run_dir.parent}",
+            hint=f"give the folder that holds it: stoker report {shlex.quote(str(run_dir.parent))}",
         )
     config_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     if not config_path.exists() and not metrics_path.exists():
