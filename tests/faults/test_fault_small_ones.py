@@ -60,3 +60,26 @@ def test_the_already_a_run_hint_quotes_the_run_dir(tmp_path: Path) -> None:
 
 if sys.platform == "win32":  # pragma: no cover
     pytestmark = pytest.mark.skip(reason="POSIX only")
+
+
+def test_float64_arrays_given_to_fit_are_cast_to_the_model_dtype_with_one_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import numpy as np
+    import torch
+
+    import stoker
+
+    features = np.random.default_rng(0).standard_normal((64, 8))  # NumPy's float64
+    targets = features[:, :1] * 2.0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    with caplog.at_level("WARNING", logger="stoker"):
+        result = stoker.fit(model, (features, targets), epochs=1, batch_size=32, loss="mse",
+                            run_dir=tmp_path, progress="quiet", tensorboard=False)  # fmt: skip
+    assert result.history and np.isfinite(result.metrics["train/loss"])
+    notes = [r.message for r in caplog.records if "float64" in r.message]
+    assert notes == [
+        "fit: train_data holds float64 arrays and the model is float32: cast to float32 once, "
+        "up front (pass float32 arrays to skip the copy)"
+    ]
