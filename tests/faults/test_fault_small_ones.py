@@ -83,3 +83,17 @@ def test_float64_arrays_given_to_fit_are_cast_to_the_model_dtype_with_one_note(
         "fit: train_data holds float64 arrays and the model is float32: cast to float32 once, "
         "up front (pass float32 arrays to skip the copy)"
     ]
+
+
+def test_a_second_stop_signal_of_any_kind_stops_at_once() -> None:
+    import signal
+
+    from stoker.train.loop import StopRequest
+    from stoker.train.resume import stop_on_signals
+
+    stop = StopRequest()
+    with stop_on_signals(stop):
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: a stop request, not death
+        assert stop.signal_name == "SIGHUP"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
