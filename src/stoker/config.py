@@ -63,12 +63,6 @@ class DataConfig(Section):
             "false, which means `off` here too)."
         ),
     )
-
-    @field_validator("fingerprint", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        # YAML 1.1 (PyYAML) turns `fingerprint: off` into False before pydantic sees it.
-        return "off" if value is False else value
     cache: Literal["none", "memory", "disk"] = Field(
         "none", description="Cache decoded samples so per-sample work happens once."
     )
@@ -83,6 +77,12 @@ class DataConfig(Section):
     max_consecutive_bad_records: PositiveInt = Field(
         100, description="Stop after more skips in a row than this."
     )
+
+    @field_validator("fingerprint", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) turns `fingerprint: off` into False before pydantic sees it.
+        return "off" if value is False else value
 
 
 class LoaderConfig(Section):
