@@ -115,7 +115,8 @@ class DataConfig(Section):
         "fast",
         description=(
             "Content fingerprint of the training data, checked on resume: `fast` hashes sizes "
-            "and sampled blocks, `full` every byte."
+            "and sampled blocks, `full` every byte, `off` none (YAML reads a bare `off` as "
+            "false, which means `off` here too)."
         ),
     )
     cache: Literal["none", "memory", "disk"] = Field(
@@ -147,6 +148,12 @@ class DataConfig(Section):
                 "training data; make their sum less than 1"
             )
         return self
+
+    @field_validator("fingerprint", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) turns `fingerprint: off` into False before pydantic sees it.
+        return "off" if value is False else value
 
 
 class LoaderConfig(Section):
@@ -538,7 +545,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 
 def write_config(config: RunConfig, path: str | Path) -> None:
     """Write the resolved config (every default filled in) as YAML."""
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    # Through safe_files: a run dir's config.yaml that is a symlink is refused, not followed.
+    from stoker.safe_files import write_text
+
+    write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 # --- flat keyword options for stoker.fit -----------------------------------------------

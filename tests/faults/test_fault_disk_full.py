@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,8 @@ import pytest
 import torch
 
 from stoker.checkpoint import Checkpointer, find_latest_valid, load_checkpoint
-from stoker.errors import CheckpointError
+from stoker.errors import CheckpointError, StokerError
+from stoker.observe.report import write_report
 
 
 def no_space() -> OSError:
@@ -170,3 +174,78 @@ def test_a_failed_rotation_is_a_warning_not_a_failed_save(
 
     assert find_latest_valid(tmp_path) == (saved, [])
     assert "could not delete old checkpoint" in caplog.text
+
+
+# --- a real small disk: a tmpfs mounted for the test (root on Linux; skipped elsewhere) ---
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 512 KiB tmpfs at ``tmp_path/disk``, unmounted afterwards."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root on Linux")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"this machine does not allow mounting a tmpfs: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_real_full_disk_is_named_with_the_bytes_needed(small_disk: Path) -> None:
+    ckpt = Checkpointer(small_disk / "checkpoints", keep_last=3)
+    first = ckpt.save({"w": torch.zeros(16 * 1024)}, epoch=1, step=1, metrics={"val/loss": 1.0})
+    # 2 MiB of floats on a 512 KiB disk: torch.save fails mid-write ("unexpected pos").
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save({"w": torch.zeros(512 * 1024)}, epoch=2, step=2, metrics={"val/loss": 0.5})
+    error = info.value
+    assert "disk full: No space left on device (ENOSPC)" in error.message, error
+    assert "needs about 2.0 MiB" in error.message and "free on the disk" in error.message
+    assert "unexpected pos" not in str(error) and "plain data" not in str(error)
+    assert error.hint is not None and "keep_last" in error.hint
+    assert find_latest_valid(small_disk / "checkpoints") == (first, [])
+    assert not list((small_disk / "checkpoints").glob(".tmp-*"))
+    ckpt.close()
+
+
+def test_a_read_only_disk_is_named_with_the_fix(
+    small_disk: Path, checkpointer: Checkpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real read-only file system, met when the run starts...
+    (small_disk / "checkpoints").mkdir()
+    remount = ["mount", "-o", "remount,ro", str(small_disk)]
+    assert subprocess.run(remount, capture_output=True).returncode == 0
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(small_disk / "checkpoints")
+    assert "read-only file system" in info.value.message, info.value
+    assert info.value.hint is not None and "remount it read-write" in info.value.hint
+    # ... and one that turns read-only during a save (the kernel does so after disk errors;
+    # a tmpfs cannot be remounted so while the run's lock file is open for writing).
+    refuse = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(os, "mkdir", lambda *a, **k: (_ for _ in ()).throw(refuse))
+    with pytest.raises(CheckpointError) as info:
+        new_best(checkpointer)
+    assert "read-only file system: Read-only file system (EROFS)" in info.value.message
+    assert info.value.hint is not None and "remount it read-write" in info.value.hint
+
+
+def test_a_report_on_a_full_disk_names_only_options_that_exist(small_disk: Path) -> None:
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: full\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.5}\n')
+    with contextlib.suppress(OSError), open(small_disk / "filler", "wb") as filler:
+        while True:
+            filler.write(b"\0" * 65536)
+    with pytest.raises(StokerError) as info:
+        write_report(run_dir)
+    text = str(info.value)
+    assert "disk full" in text and "free space on the disk" in text
+    # `stoker train` has no --out; the fix names the command that has one.
+    assert f"stoker report {run_dir} --out FILE" in text
+    assert not (run_dir / "report.html").exists()

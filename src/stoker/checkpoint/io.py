@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import torch
 
 from stoker.errors import CheckpointError
+from stoker.safe_files import describe_os_error
 
 __all__ = [
     "HashingWriter",
@@ -27,6 +28,7 @@ __all__ = [
     "load_state_file",
     "os_error",
     "save_atomic",
+    "state_bytes",
     "write_durable",
 ]
 
@@ -65,25 +67,28 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def os_error(path: Path, what: str, exc: OSError) -> CheckpointError:
-    """A CheckpointError for an OS failure writing ``path``, with the fix for its errno."""
-    reason = exc.strerror or str(exc)
-    code = errno.errorcode.get(exc.errno or 0)
-    if code:
-        reason = f"{reason} ({code})"
+def os_error(path: Path, what: str, exc: OSError, *, needed: int | None = None) -> CheckpointError:
+    """A CheckpointError for an OS failure writing ``path``, with the fix for its errno.
+
+    A full disk, a spent quota and a read-only file system are named as such, with the
+    bytes the save needs (``needed``) and what is free (``stoker.safe_files``).
+    """
     folder = path.parent
-    if exc.errno == errno.ENOSPC:
-        hint = (
-            f"free space on the disk that holds {folder}, "
-            "or keep fewer checkpoints (checkpoint.keep_last)"
-        )
-    elif exc.errno == errno.ENOENT:
-        hint = f"create the folder {folder} first, or point the run at an existing folder"
-    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = f"make {folder} writable, or write the run to another folder"
-    else:
-        hint = f"check that {folder} exists, is writable and has free space"
+    reason, hint = describe_os_error(exc, folder, needed=needed)
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        hint += ", or keep fewer checkpoints (checkpoint.keep_last)"
     return CheckpointError(f"Could not write {what} {path}: {reason}.", hint=hint)
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in a nested state: about what ``torch.save`` writes."""
+    if isinstance(state, torch.Tensor):
+        return state.untyped_storage().nbytes()
+    if isinstance(state, Mapping):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(value) for value in state)
+    return 64  # a number or a short string, with its pickle framing
 
 
 @contextlib.contextmanager
@@ -142,9 +147,16 @@ class HashingWriter:
         self._file = file
         self._sha256 = hashlib.sha256()
         self.size = 0
+        #: The OS error a write met: torch.save reports it as a RuntimeError ("unexpected
+        #: pos"), and the caller needs the errno to say "disk full".
+        self.error: OSError | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        written = self._file.write(data)
+        try:
+            written = self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
         # hashlib releases the GIL for large buffers; this is the only pass over the bytes.
         self._sha256.update(data)
         self.size += memoryview(data).nbytes

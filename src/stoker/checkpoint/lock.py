@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 
 from stoker.errors import CheckpointError
+from stoker.safe_files import RunFileError, describe_os_error, open_fd
 
 try:
     import fcntl
@@ -21,6 +22,20 @@ __all__ = ["LOCK_FILE", "FolderLock"]
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+
+#: The locks this process holds, for the fork hook below.
+_HELD: weakref.WeakSet[FolderLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forget_in_child()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    # Every fork (DataLoader workers, a user's subprocess) drops its copy of the locks.
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _release(fd: int) -> None:
@@ -74,11 +89,14 @@ class FolderLock:
             self._finalizer = None
             return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # Never through a symlink: a planted `.lock -> ~/.bashrc` would be truncated.
+            fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
+        except RunFileError as exc:
+            raise CheckpointError(exc.message, hint=exc.hint) from None
         except OSError as exc:
+            reason, fix = describe_os_error(exc, folder)
             raise CheckpointError(
-                f"Could not open the lock file {self.path}: {exc.strerror or exc}.",
-                hint=f"make {folder} writable, or write the run to another folder",
+                f"Could not open the lock file {self.path}: {reason}.", hint=fix
             ) from exc
         if not self._try_lock(fd):
             # An unclosed Checkpointer of this process may only be waiting for the collector.
@@ -100,6 +118,21 @@ class FolderLock:
             os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         self._finalizer = weakref.finalize(self, _release, fd)
+        _HELD.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this copy of the fd, without unlocking the parent's.
+
+        A flock belongs to the open file description, which a fork shares; as long as any
+        process has it open the lock stays held. A DataLoader worker orphaned by a kill -9
+        of the training process would so keep the run locked until it noticed and exited,
+        and an immediate resume would be refused. Closing (not LOCK_UN, which would unlock
+        the parent too) leaves the lock to the parent alone, released when it dies.
+        """
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # type: ignore[arg-type]
+        self._fd = None
 
     @staticmethod
     def _try_lock(fd: int) -> bool:

@@ -105,7 +105,12 @@ def write_checkpoint_files(
     """
     with open(folder / STATE_FILE, "xb") as f:
         writer = HashingWriter(f)
-        torch.save(dict(state), writer)
+        try:
+            torch.save(dict(state), writer)
+        except Exception as exc:
+            if writer.error is not None:
+                raise writer.error from exc  # a full disk, not a pickling problem
+            raise
         f.flush()
         os.fsync(f.fileno())
     manifest = {

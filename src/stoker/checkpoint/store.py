@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from stoker.checkpoint.io import fsync_dir, os_error, write_durable
+from stoker.checkpoint.io import fsync_dir, os_error, state_bytes, write_durable
 from stoker.checkpoint.layout import (
     POINTERS,
     TEMP_PREFIX,
@@ -316,7 +316,7 @@ class Checkpointer:
             if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
                 raise
             if isinstance(exc, OSError):
-                raise os_error(final, "checkpoint", exc) from exc
+                raise os_error(final, "checkpoint", exc, needed=state_bytes(state)) from exc
             raise CheckpointError(
                 f"Could not write checkpoint {final}: {type(exc).__name__}: {exc}",
                 hint=f"save only {_PLAIN_DATA}",

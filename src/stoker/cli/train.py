@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stoker.cli.options import (
     add_config_and_overrides,
@@ -13,6 +14,7 @@ from stoker.cli.options import (
     resume_template,
     run_dir_overrides,
 )
+from stoker.errors import ConfigError
 
 if TYPE_CHECKING:
     from stoker.config import RunConfig
@@ -47,6 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         help="with --nproc: when a rank fails, restart the group up to K times, resuming "
         "from the last checkpoint",
     )
+    parser.add_argument(
+        "--trust-run-code",
+        action="store_true",
+        help="with --resume: import the Python files (models.py:Net, a collate function...) "
+        "that the config names inside RUN_DIR itself; without it such a resume is refused, "
+        "as a run dir is data that may come from anyone, and importing a file runs it",
+    )
     parser.set_defaults(run=run)
 
 
@@ -57,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from stoker.train.session import train_run
 
     config = load_config(args.config, [*args.overrides, *run_dir_overrides(args)])
+    if args.resume and not args.trust_run_code:
+        _refuse_run_dir_code(config, Path(args.resume))
     if args.nproc is not None and not inside_torchrun():
         return _launch(args, config)
     # Under torchrun the run resumes on as many processes as it has now.
@@ -98,9 +109,49 @@ def _resume_template(args: argparse.Namespace, *, nproc: int | None) -> str:
     return resume_template(command, args.overrides)
 
 
+def _refuse_run_dir_code(config: RunConfig, run_dir: Path) -> None:
+    """Refuse to import Python files that sit in the run dir being resumed.
+
+    stoker already treats a run dir's checkpoints as untrusted (``weights_only`` loads);
+    a config that names ``RUN_DIR/models.py:Net`` would run that file, so whoever could
+    write into the run dir could run code as this user. A config written by stoker names
+    the user's code where it was (absolute paths), never in the run dir, so a normal
+    resume never meets this.
+    """
+    resolved = run_dir.resolve()
+    # --resume may name a checkpoint (RUN/checkpoints/step-…): its run dir is above.
+    root = next(
+        (p.parent for p in (resolved, *resolved.parents) if p.name == "checkpoints"), resolved
+    )
+    found = sorted({path for path in _code_files(config.to_dict()) if root in path.parents})
+    if found:
+        names = ", ".join(str(path) for path in found)
+        raise ConfigError(
+            f"the config imports Python code from the run dir being resumed: {names}; "
+            "importing a file runs it, and a run dir is data that anyone who could write "
+            "into it may have changed",
+            hint="check that code, then pass --trust-run-code; or resume with the config "
+            "and the code from your project instead of the run dir's copies",
+        )
+
+
+def _code_files(value: Any) -> list[Path]:
+    """Every ``file.py`` named as ``file.py:callable`` anywhere in a config."""
+    if isinstance(value, dict):
+        return [path for item in value.values() for path in _code_files(item)]
+    if isinstance(value, list | tuple):
+        return [path for item in value for path in _code_files(item)]
+    if isinstance(value, str):
+        module, sep, attr = value.rpartition(":")
+        if sep and attr and module.endswith(".py"):
+            return [Path(module).resolve()]
+    return []
+
+
 def _passed_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
     return [
         ("--allow-data-change", args.allow_data_change),
+        ("--trust-run-code", args.trust_run_code),
         ("--allow-config-change", args.allow_config_change),
         ("--quiet", args.quiet),
         ("--debug", args.debug),

@@ -33,6 +33,7 @@ from torch.utils.data import ConcatDataset, IterableDataset, Subset, TensorDatas
 from stoker.data.cache import CachedDataset
 from stoker.data.sources import ArrayDataset
 from stoker.errors import DataError
+from stoker.safe_files import write_text
 
 __all__ = [
     "FINGERPRINT_FILE",
@@ -505,9 +506,7 @@ def write_fingerprint(fingerprint: Fingerprint, run_dir: str | os.PathLike[str])
     """Write ``data_fingerprint.json`` into the run dir, atomically; returns its path."""
     target = Path(run_dir) / FINGERPRINT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.with_name(f".{FINGERPRINT_FILE}.{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(fingerprint.to_dict(), indent=2) + "\n", encoding="utf-8")
-    os.replace(scratch, target)
+    write_text(target, json.dumps(fingerprint.to_dict(), indent=2) + "\n")
     return target
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from stoker.errors import DataError
+from stoker.safe_files import open_append, write_text
 
 BadRecordPolicy = Literal["error", "skip"]
 
@@ -166,7 +166,7 @@ class BadRecordLog:
     def _write(self, samples: list[BadSample]) -> None:
         if self.path is None:
             return
-        with self.path.open("a") as stream:
+        with open_append(self.path) as stream:
             for sample in samples:
                 stream.write(json.dumps(asdict(sample) | {"split": self.split}) + "\n")
 
@@ -223,9 +223,7 @@ class BadRecordLog:
                 kept.append(line)
         clean = "".join(line + "\n" for line in kept)
         if clean != text:
-            partial = self.path.with_name(self.path.name + ".partial")
-            partial.write_text(clean)
-            os.replace(partial, self.path)
+            write_text(self.path, clean)
         return keys
 
 

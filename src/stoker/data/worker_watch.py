@@ -66,8 +66,29 @@ def _stack_path(directory: str, worker_id: int) -> Path:
     return Path(directory, f"worker-{worker_id}.txt")
 
 
+#: The signals a scheduler or a terminal sends a whole process group to stop a job.
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def ignore_stop_signals() -> None:
+    """Make this (worker) process ignore SIGTERM, SIGINT and SIGHUP.
+
+    systemd, Slurm and Kubernetes stop a job by signalling its whole process group, so
+    the loader workers get the SIGTERM the training process gets. A worker that died of
+    it took the batches in flight with it and failed the stop-checkpoint. Ignored here,
+    the training process alone decides: it saves the checkpoint after the current step,
+    then shuts the workers down as at any loader's end (and they exit on their own when
+    it dies, as PyTorch's workers watch their parent). A worker that will not stop is
+    ended with SIGKILL (``WorkerWatch``), which cannot be ignored.
+    """
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
 class WorkerInit:
-    """A worker's first act: have :mod:`faulthandler` write its stack to a file.
+    """A worker's first act: ignore stop signals, have :mod:`faulthandler` write its stack.
 
     On SIGUSR1 (sent when the worker is late past ``loader.timeout_s``) and on a fatal
     signal (SIGSEGV, SIGBUS, SIGABRT...) the stack of every thread is appended to
@@ -80,8 +101,14 @@ class WorkerInit:
         self.directory: str | None = None
 
     def __call__(self, worker_id: int) -> None:
-        if self.directory is None:
-            return
+        if self.directory is not None:
+            self._write_stacks_on_fault(worker_id)
+        # Last: PyTorch's worker handlers (set again above) include one for SIGTERM that
+        # ends the worker unless its parent sent it.
+        ignore_stop_signals()
+
+    def _write_stacks_on_fault(self, worker_id: int) -> None:
+        assert self.directory is not None
         # Append mode: the reader knows where a new dump starts (the size before it).
         stream = _stack_path(self.directory, worker_id).open("a")
         _WORKER_STACK_FILE[:] = [stream]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoker.errors import StokerError
+from stoker.safe_files import open_append, write_text
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -174,16 +175,14 @@ def _send(client: MlflowClient, run: _Run, entries: Sequence[dict]) -> tuple[int
 
 def _write_buffer(path: Path, run: _Run, entries: Sequence[dict], *, append: bool = False) -> None:
     """Replaces the buffer file (atomically) with ``run``'s header and ``entries``, or appends."""
+    # Through safe_files: a buffer in the run dir that is a symlink is refused, not followed.
     if append and path.exists() and path.stat().st_size > 0:
-        with path.open("a", encoding="utf-8") as file:
+        with open_append(path) as file:
             file.writelines(json.dumps(entry) + "\n" for entry in entries)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as file:
-        file.write(json.dumps(run.header()) + "\n")
-        file.writelines(json.dumps(entry) + "\n" for entry in entries)
-    os.replace(temporary, path)
+    lines = [json.dumps(run.header()), *(json.dumps(entry) for entry in entries)]
+    write_text(path, "".join(line + "\n" for line in lines))
 
 
 def _read_buffer(path: Path) -> tuple[dict[str, Any], list[dict]]:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from stoker.observe.report_charts import (
     phase_chart,
 )
 from stoker.observe.report_epochs import best_label, epochs_done_label, read_training
+from stoker.safe_files import RunFileError, describe_os_error, write_text
 
 __all__ = [
     "MetricsLog",
@@ -131,19 +133,26 @@ def write_report(
         StokerError: ``run_dir`` is missing or holds no run, or ``out`` cannot be written.
     """
     html_text = render_report(run_dir)
-    target = Path(run_dir) / REPORT_NAME if out is None else Path(out)
+    # A path the user typed is followed (a link there is their choice); one in the run dir
+    # is not.
+    target = Path(run_dir) / REPORT_NAME if out is None else Path(out).resolve()
     if target.is_dir():
         target = target / REPORT_NAME
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Written beside the target and renamed, so a reader never sees half a page.
-        partial = target.with_name(target.name + ".partial")
-        partial.write_text(html_text, encoding="utf-8")
-        partial.replace(target)
     except OSError as error:
+        reason, fix = describe_os_error(error, target.parent)
+        raise StokerError(f"cannot write the report to {target}: {reason}", hint=fix) from error
+    try:
+        # Written beside the target and renamed, so a reader never sees half a page; never
+        # through a symlink planted at report.html.
+        write_text(target, html_text)
+    except RunFileError as error:
+        # `stoker report` has --out; `stoker train` does not, so name the command in full.
         raise StokerError(
-            f"cannot write the report to {target}: {error.strerror or error}",
-            hint="choose another place with --out FILE",
+            f"cannot write the report: {error.message}",
+            hint=f"{error.hint}; or write it elsewhere later with "
+            f"`stoker report {shlex.quote(str(run_dir))} --out FILE`",
         ) from error
     return target
 
@@ -159,7 +168,7 @@ def render_report(run_dir: str | os.PathLike[str]) -> str:
     if not run_dir.is_dir():
         raise StokerError(
             f"{run_dir} is a file, not a run dir",
-            hint=f"give the folder that holds it: stoker report {run_dir.parent}",
+            hint=f"give the folder that holds it: stoker report {shlex.quote(str(run_dir.parent))}",
         )
     config_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     if not config_path.exists() and not metrics_path.exists():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from stoker.errors import StokerError
+from stoker.safe_files import open_append
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -111,7 +112,8 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         needs_newline = _ends_mid_line(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
+        # Never through a link: a planted metrics.jsonl symlink must not append elsewhere.
+        self._file = open_append(self.path)
         if needs_newline:
             # A run killed mid-write left half a line; start ours on a fresh one so
             # the records appended now still parse.

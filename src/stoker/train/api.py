@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,8 @@ from stoker.errors import ConfigError
 from stoker.train.metric_set import split_fit_metrics
 from stoker.train.pipeline import UserComponents
 from stoker.train.session import FitResult, train_run
+
+logger = logging.getLogger("stoker")
 
 DataLike = Dataset | IterableDataset | Sequence[torch.Tensor | np.ndarray]
 
@@ -67,9 +70,10 @@ def fit(
         options["loss"] = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     options["metrics"], metric_objects = split_fit_metrics(options.pop("metrics", None))
     config = config_from_options(options)
-    train = _as_dataset(train_data, "train_data")
-    val = _as_dataset(val_data, "val_data") if val_data is not None else None
-    test = _as_dataset(test_data, "test_data") if test_data is not None else None
+    dtype = _float_dtype(model)
+    train = _as_dataset(train_data, "train_data", dtype=dtype)
+    val = _as_dataset(val_data, "val_data", dtype=dtype) if val_data is not None else None
+    test = _as_dataset(test_data, "test_data", dtype=dtype) if test_data is not None else None
     train, val, test = _split(train, val, test, config.data)
     user = UserComponents(
         model=model,
@@ -116,7 +120,12 @@ def _pop_callable(options: dict[str, Any], key: str) -> Callable | None:
     return None
 
 
-def _as_dataset(data: DataLike, argument: str) -> Dataset:
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating-point parameters (None: it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _as_dataset(data: DataLike, argument: str, *, dtype: torch.dtype | None = None) -> Dataset:
     if isinstance(data, (Dataset, IterableDataset)):
         return data
     if (
@@ -124,8 +133,39 @@ def _as_dataset(data: DataLike, argument: str) -> Dataset:
         and data
         and all(isinstance(item, (torch.Tensor, np.ndarray)) for item in data)
     ):
-        return ArrayDataset(*data)
+        return ArrayDataset(*_cast_float64(data, argument, dtype))
     raise ConfigError(
         f"fit: {argument} must be a torch Dataset or a tuple of arrays, got {type(data).__name__}",
         hint=f"pass {argument}=(features, labels) or a torch.utils.data.Dataset",
     )
+
+
+def _cast_float64(
+    arrays: Sequence[torch.Tensor | np.ndarray], argument: str, dtype: torch.dtype | None
+) -> list[torch.Tensor | np.ndarray]:
+    """Float64 arrays cast (once, up front) to the model's float dtype, with one note.
+
+    NumPy makes float64 by default and models are float32: without this the first
+    forward fails on ``Double and Float``. One cast here costs one copy of the array;
+    a cast per batch would cost it every epoch.
+    """
+    if dtype is None or dtype == torch.float64:
+        return list(arrays)
+    wide = [item.dtype in (np.float64, torch.float64) for item in arrays]
+    if not any(wide):
+        return list(arrays)
+    name = str(dtype).removeprefix("torch.")
+    logger.warning(
+        "fit: %s holds float64 arrays and the model is %s: cast to %s once, up front "
+        "(pass %s arrays to skip the copy)",
+        argument,
+        name,
+        name,
+        name,
+    )
+    return [
+        (torch.from_numpy(item) if isinstance(item, np.ndarray) else item).to(dtype)
+        if cast
+        else item
+        for item, cast in zip(arrays, wide, strict=True)
+    ]

@@ -24,10 +24,19 @@ from stoker.checkpoint import Checkpointer
 from stoker.checkpoint.sharded import is_sharded_entry
 from stoker.data.fingerprint import Fingerprint
 from stoker.data.records import BadRecordLog
+from stoker.data.worker_watch import STOP_SIGNALS
 from stoker.errors import CheckpointError
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, StopRequest
 from stoker.train.precision import Precision
+from stoker.train.resume_changes import (
+    apply_hyperparameters,
+    changed_keys,
+    check_optimizer_class,
+    config_changes,
+    fresh_hyperparameters,
+    weights_error,
+)
 from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
 
 
@@ -141,8 +150,20 @@ class ResumableParts:
         """
         ranks = bundle.get("ranks") or []
         own = ranks[rank] if rank < len(ranks) else bundle  # a world of 1 saved no "ranks"
-        self.weights.load(self.model, self.optimizer, bundle["model"], bundle["optimizer"])
+        saved = bundle.get("config") or {}
+        model_change = changed_keys(saved, self.config, "model")
+        optim_change = changed_keys(saved, self.config, "optim")
+        check_optimizer_class(self.optimizer, bundle["optimizer"], changed=optim_change)
+        fresh = fresh_hyperparameters(self.optimizer)
+        try:
+            self.weights.load(self.model, self.optimizer, bundle["model"], bundle["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise weights_error(exc, model_change=model_change, optim_change=optim_change) from None
         self.scheduler.load_state_dict(bundle["scheduler"])
+        # A changed optim.lr / optim.weight_decay: set after the optimizer's old state.
+        apply_hyperparameters(
+            self.optimizer, self.scheduler, fresh, saved=saved, current=self.config
+        )
         self.precision.load_state_dict(bundle["precision"])
         self.state.load_state_dict(bundle["train_state"])
         self.clipper.clipped_steps = bundle.get("clipped_steps", self.clipper.clipped_steps)
@@ -156,22 +177,25 @@ class ResumableParts:
 
 @contextlib.contextmanager
 def stop_on_signals(stop: StopRequest) -> Iterator[None]:
-    """Turn SIGTERM/SIGINT into a stop request the loop honours after the current step.
+    """Turn SIGTERM/SIGINT/SIGHUP into a stop request the loop honours after the current step.
 
     The handler only sets a flag: saving inside a signal handler could interrupt a
-    half-written step or checkpoint. A second SIGINT stops at once (KeyboardInterrupt).
-    Outside the main thread (where handlers cannot be set) this does nothing.
+    half-written step or checkpoint. A second stop signal of any kind stops at once
+    (KeyboardInterrupt; a save it cuts short leaves the previous checkpoints as they
+    were). Loader workers ignore these signals (``ignore_stop_signals``), so a signal to
+    the whole process group stops the run as one to this process does. Outside the main
+    thread (where handlers cannot be set) this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def request_stop(signum: int, frame: Any) -> None:
-        if stop.requested and signum == signal.SIGINT:
+        if stop.requested:
             raise KeyboardInterrupt
         stop.signal_name = signal.Signals(signum).name
 
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -179,41 +203,21 @@ def stop_on_signals(stop: StopRequest) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-#: Config keys an exact resume depends on: changing one changes which samples each
-#: step sees (or how they are weighted), so the resumed run could not equal the original.
-RESUME_KEYS = (
-    ("seed",),
-    ("loader", "batch_size"),
-    ("loader", "num_workers"),
-    ("loader", "shuffle"),
-    ("loader", "sampler"),
-    ("loader", "drop_last"),
-    ("train", "grad_accum_steps"),
-    ("train", "precision"),
-    ("data", "val_fraction"),
-    ("data", "test_fraction"),
-    ("data", "split_seed"),
-)
-
-
 def resume_mismatches(
     saved: dict[str, Any], current: dict[str, Any], *, steps_per_epoch: int | None = None
 ) -> list[str]:
-    """``key: saved → now`` for every resume-relevant config value that changed.
+    """``key: saved → now (why)`` for every config change a resume refuses.
 
-    ``train.epochs`` (and ``train.max_steps``) may change: ``--resume RUN_DIR
-    train.epochs=N`` extends a run, and the extension is exact, bitwise what a run of N
-    epochs from the start gives, when the lr schedule does not span the run's length. A
-    cosine or one-cycle schedule without ``schedule.total_steps`` does: its horizon
-    follows the run's length, so the epochs already trained followed another curve, and
-    that is reported here too. ``steps_per_epoch`` is the optimizer steps in an epoch
-    (None for data without a length).
+    Which changes are refused, applied or adjusted is decided per key in
+    :mod:`stoker.train.resume_changes`. ``train.epochs`` (and ``train.max_steps``) may
+    change: ``--resume RUN_DIR train.epochs=N`` extends a run, and the extension is exact,
+    bitwise what a run of N epochs from the start gives, when the lr schedule does not span
+    the run's length. A cosine or one-cycle schedule without ``schedule.total_steps`` does:
+    its horizon follows the run's length, so the epochs already trained followed another
+    curve, and that is reported here too. ``steps_per_epoch`` is the optimizer steps in an
+    epoch (None for data without a length).
     """
-    changed = []
-    for path in RESUME_KEYS:
-        before, now = _lookup(saved, path), _lookup(current, path)
-        if before != now:
-            changed.append(f"{'.'.join(path)}: {before!r} in the checkpoint, {now!r} now")
+    changed = config_changes(saved, current).refused
     before = schedule_horizon(saved, steps_per_epoch=steps_per_epoch)
     now = schedule_horizon(current, steps_per_epoch=steps_per_epoch)
     if before is not None and now is not None and before != now:

@@ -29,7 +29,7 @@ def create_run_dir(run_dir: str | Path | None, *, root: str | Path, name: str) -
     if (path / "config.yaml").exists():
         raise ConfigError(
             f"{path} already holds a run",
-            hint=f"continue it with --resume {path}, or choose another --run-dir",
+            hint=f"continue it with --resume {shlex.quote(str(path))}, or choose another --run-dir",
         )
     path.mkdir(parents=True, exist_ok=True)
     return path

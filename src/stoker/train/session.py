@@ -41,6 +41,7 @@ from stoker.observe.sinks import NullSink, build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
+from stoker.safe_files import write_text
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
@@ -350,7 +351,7 @@ def _train_run(
     loop.no_sync = dist.no_sync(wrapped) or contextlib.nullcontext  # no DDP: nothing to hold
     loop.agree_finite = dist.agree_finite()
     if dist.is_main:
-        (run_dir / "environment.json").write_text(json.dumps(environment(), indent=2))
+        write_text(run_dir / "environment.json", json.dumps(environment(), indent=2))
     try:
         with stop_on_signals(loop.stop), explain_collective_failure(dist, "a training step"):
             run(loop)
@@ -418,7 +419,11 @@ def _check_resume_config(
     if not changed:
         return
     if allow:
-        logger.warning("resuming with changed settings: %s", "; ".join(changed))
+        logger.warning(
+            "resuming with changed settings (--allow-config-change), so the run is no longer "
+            "exact: %s",
+            "; ".join(changed),
+        )
         return
     raise ConfigError(
         "the run being resumed was trained with other settings, so it could not continue "
@@ -456,7 +461,7 @@ def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
     }
     if skipped := loop.train_loader.bad_records.total:  # distinct records, train and val
         summary["data"] = {"bad_records": skipped}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -1,0 +1,123 @@
+"""Every config change on resume is applied, applied with a message, or refused by name."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import stoker
+from stoker.checkpoint import find_latest, load_checkpoint
+from stoker.config import RunConfig
+from stoker.errors import CheckpointError, ConfigError
+from stoker.train.resume import resume_mismatches
+from stoker.train.resume_changes import POLICY, config_changes, decision
+
+OPTIONS = dict(batch_size=64, progress="quiet", tensorboard=False, seed=1, schedule="constant")
+
+
+def mlp(hidden: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3)
+    )
+
+
+def _leaves(value: object, path: tuple[str, ...] = ()):
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    else:
+        yield path
+
+
+def test_every_config_key_has_a_decision() -> None:
+    # A setting added later must be decided (and put in the docs table), not left to a default.
+    undecided = [
+        ".".join(path)
+        for path in _leaves(RunConfig().to_dict())
+        if not any(path[:end] in POLICY for end in range(len(path), 0, -1))
+    ]
+    assert undecided == []
+
+
+def test_changes_that_alter_the_next_steps_are_refused_by_key() -> None:
+    saved = RunConfig.model_validate(
+        {
+            "data": {
+                "train": {"name": "shards", "args": {"paths": "a/*.npy", "shuffle_buffer": 64}}
+            },
+            "loader": {"weights": [1.0, 2.0]},
+            "model": {"name": "mlp", "args": {"hidden": [64]}},
+            "optim": {"name": "sgd"},
+        }
+    ).to_dict()
+    current = RunConfig.model_validate(
+        {
+            "data": {
+                "train": {"name": "shards", "args": {"paths": "a/*.npy", "shuffle_buffer": 8}}
+            },
+            "loader": {"weights": [1.0, 3.0]},
+            "model": {"name": "mlp", "args": {"hidden": [32]}},
+            "optim": {"name": "adamw", "lr": 0.5, "weight_decay": 0.2},
+            "train": {"epochs": 40, "log_every_steps": 7},
+            "checkpoint": {"keep_last": 5},
+            "tracking": {"tensorboard": False},
+        }
+    ).to_dict()
+    refused = "\n".join(resume_mismatches(saved, current))
+    for key in ("data.train.args.shuffle_buffer", "loader.weights", "model.args.hidden",
+                "optim.name"):  # fmt: skip
+        assert f"{key}: " in refused, key
+    changes = config_changes(saved, current)
+    assert sorted(line.split(":")[0] for line in changes.adjusted) == [
+        "optim.lr",
+        "optim.weight_decay",
+    ]
+    applied = " ".join(changes.applied)
+    for key in (
+        "train.epochs",
+        "train.log_every_steps",
+        "checkpoint.keep_last",
+        "tracking.tensorboard",
+    ):
+        assert f"{key}: " in applied, key
+    assert decision(("loader", "sampler"))[0] == "refused"
+
+
+def test_a_changed_lr_and_weight_decay_are_applied_with_a_message(
+    tmp_path, toy_classification, caplog
+) -> None:
+    stoker.fit(mlp(), toy_classification, epochs=1, run_dir=tmp_path, lr=0.01, weight_decay=0.0,
+               **OPTIONS)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        stoker.fit(mlp(), toy_classification, epochs=2, resume=tmp_path, lr=0.002,
+                   weight_decay=0.3, **OPTIONS)  # fmt: skip
+    bundle = load_checkpoint(find_latest(tmp_path / "checkpoints"))
+    (group,) = bundle["optimizer"]["param_groups"]
+    assert (group["lr"], group["weight_decay"]) == (0.002, 0.3)
+    assert bundle["scheduler"]["base_lrs"] == [0.002]
+    assert "optim.lr changed on resume: 0.01 in the checkpoint, 0.002 now" in caplog.text
+    assert "optim.weight_decay changed on resume: 0.0 in the checkpoint, 0.3 now" in caplog.text
+
+
+def test_another_optimizer_or_model_is_a_named_error_not_a_traceback(
+    tmp_path, toy_classification
+) -> None:
+    stoker.fit(mlp(), toy_classification, epochs=1, run_dir=tmp_path, optimizer="sgd", lr=0.01,
+               **OPTIONS)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"optim.name: 'sgd' in the checkpoint, 'adamw' now"):
+        stoker.fit(mlp(), toy_classification, epochs=2, resume=tmp_path, optimizer="adamw",
+                   lr=0.01, **OPTIONS)  # fmt: skip
+    with pytest.raises(CheckpointError) as info:
+        stoker.fit(mlp(), toy_classification, epochs=2, resume=tmp_path, optimizer="adamw",
+                   lr=0.01, allow_config_change=True, **OPTIONS)  # fmt: skip
+    message = str(info.value)
+    assert "not a AdamW's (optim.name: 'sgd' in the checkpoint, 'adamw' now" in message
+    assert "momentum" in message and "start a new run" in message
+    with pytest.raises(CheckpointError) as info:
+        stoker.fit(mlp(hidden=32), toy_classification, epochs=2, resume=tmp_path, optimizer="sgd",
+                   lr=0.01, **OPTIONS)  # fmt: skip
+    assert "do not fit this model" in str(info.value) and "size mismatch" in str(info.value)
+    assert "Error(s) in loading state_dict" not in str(info.value)
