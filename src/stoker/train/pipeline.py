@@ -33,6 +33,13 @@ class UserComponents:
     val_data: Dataset | None = None
     loss_fn: Callable | None = None
     collate_fn: Callable | None = None
+    #: An optimizer or a factory ``params -> Optimizer``; a scheduler or ``optimizer ->
+    #: scheduler``; callbacks; ``step_fn``/``eval_fn`` (see ``stoker.train.objective``).
+    optimizer: Any = None
+    scheduler: Any = None
+    callbacks: tuple[object, ...] = ()
+    step_fn: Callable | None = None
+    eval_fn: Callable | None = None
 
 
 @dataclass(frozen=True)

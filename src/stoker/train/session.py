@@ -41,6 +41,7 @@ from stoker.observe.sinks import NullSink, build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
+from stoker.train.callbacks import Callbacks
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
@@ -77,6 +78,8 @@ class FitResult:
             (from 1: the ``epoch`` of that record in ``history``).
         stopped_early: Whether early stopping ended the run before its last epoch
             (patience running out in the last epoch is no early stop).
+        stop_reason: Why a callback ended the run (``loop.request_stop``); None when
+            it ran to its end.
     """
 
     metrics: dict[str, Any]
@@ -87,6 +90,7 @@ class FitResult:
     best_value: float | None
     best_epoch: int | None
     stopped_early: bool
+    stop_reason: str | None = None
 
 
 def train_run(
@@ -147,10 +151,15 @@ def _train_run(
     model.to(device)
     # DDP or FSDP2 with several ranks; before the optimizer, as FSDP2 swaps the parameters.
     wrapped = dist.wrap(model, config.distributed, device=device)
-    optimizer = build_optimizer(model, config.optim, device=device)
+    optimizer = build_optimizer(model, config.optim, device=device, user=user.optimizer)
     scheduler = build_scheduler(
-        optimizer, config.schedule, total_steps=_total_steps(config, train_loader)
+        optimizer,
+        config.schedule,
+        total_steps=_total_steps(config, train_loader),
+        user=user.scheduler,
     )
+    callbacks = Callbacks([*components.build_callbacks(config), *user.callbacks])
+    step_fn, eval_fn = _step_fns(config, user)
     precision = build_precision(config.train, device)
     state = TrainState()
     monitor = _monitor(config, has_val=val_loader is not None)
@@ -218,6 +227,7 @@ def _train_run(
         config=config.to_dict(),
         fingerprint=fingerprint,
         weights=dist.weights_io(config.distributed),
+        callbacks=callbacks,
     )
     history: list[dict[str, Any]] = []
     in_epoch = None
@@ -262,12 +272,13 @@ def _train_run(
         ranks = dist.gather(parts.rank_state(in_epoch=in_epoch))
         if checkpointer is not None:
             with watchdog.paused():
-                checkpointer.save(
+                path = checkpointer.save(
                     parts.bundle(loop, in_epoch=in_epoch, ranks=ranks, weights=weights),
                     epoch=epoch,
                     step=state.step,
                     metrics=metrics,
                 )
+            callbacks.call("on_checkpoint", loop, path)
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
         if config.checkpoint.enabled:
@@ -294,7 +305,7 @@ def _train_run(
         clipper=parts.clipper,
         loss_fn=loss_fn,
         loss_name=config.loss.name,
-        task=_task(config),
+        task="none" if step_fn is not None else _task(config),
         train_loader=loop_loader,
         val_loader=val_loader,
         device=device,
@@ -305,7 +316,7 @@ def _train_run(
         on_epoch_end=save_checkpoint,
         timer=timer,
         system=SystemMonitor(device),
-        health=GradHealth(config.train.grad_health_every, optimizer_kind=config.optim.name),
+        health=GradHealth(config.train.grad_health_every, optimizer_kind=type(optimizer).__name__),
         prefetcher=DevicePrefetcher(device, enabled=_prefetch(config.train.prefetch, device)),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
@@ -323,6 +334,9 @@ def _train_run(
         )
         if config.checkpoint.enabled
         else None,
+        callbacks=callbacks,
+        step_fn=step_fn,
+        eval_fn=eval_fn,
     )
     if stop is not None:
         loop.stop = stop
@@ -348,6 +362,9 @@ def _train_run(
         sink.close()
         if checkpointer is not None:
             checkpointer.close()
+    if dist.is_main and loop.stop_reason is not None:
+        saved = "; checkpoint saved" if config.checkpoint.enabled else "; no checkpoint"
+        view.message(f"stopped by {loop.stop_reason} after step {state.step}{saved}")
     if dist.is_main:
         summary = _write_summary(loop, run_dir)
         for line in summary_lines(summary):
@@ -367,6 +384,7 @@ def _train_run(
         best_value=state.best_value,
         best_epoch=state.best_epoch,
         stopped_early=loop.stopped_early,
+        stop_reason=loop.stop_reason,
     )
 
 
@@ -453,6 +471,24 @@ def _total_steps(config: RunConfig, loader: Any) -> int:
         return config.train.max_steps or config.schedule.total_steps or 1
     total = per_epoch * config.train.epochs
     return min(total, config.train.max_steps) if config.train.max_steps else total
+
+
+def _step_fns(config: RunConfig, user: UserComponents) -> tuple[Any, Any]:
+    """The user's step_fn and eval_fn: objects given to ``fit`` win over the config's."""
+    step_fn, eval_fn = components.build_step_fns(config)
+    step_fn, eval_fn = user.step_fn or step_fn, user.eval_fn or eval_fn
+    if eval_fn is not None and step_fn is None:
+        raise ConfigError(
+            "train.eval_fn is set but train.step_fn is not",
+            hint="set train.step_fn too (eval_fn replaces validation only)",
+        )
+    if step_fn is not None and config.loss.normalize == "tokens":
+        raise ConfigError(
+            "loss.normalize=tokens counts the targets' real tokens, which a step_fn's "
+            "batch does not name",
+            hint="set loss.normalize=samples; average over tokens inside the step_fn",
+        )
+    return step_fn, eval_fn
 
 
 def _task(config: RunConfig) -> Task | None:
