@@ -4,6 +4,7 @@ from stoker.config import RunConfig, load_config
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.data.sources import ArrayDataset, split_dataset
 from stoker.errors import (
+    CallbackError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -12,12 +13,15 @@ from stoker.errors import (
     TrainingError,
 )
 from stoker.train.api import fit
+from stoker.train.callbacks import Callback, StepRecord
 from stoker.train.session import FitResult, train_run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrayDataset",
+    "Callback",
+    "CallbackError",
     "CheckpointError",
     "ConfigError",
     "DataError",
@@ -25,6 +29,7 @@ __all__ = [
     "FitResult",
     "ModelError",
     "RunConfig",
+    "StepRecord",
     "StokerError",
     "TrainingError",
     "__version__",

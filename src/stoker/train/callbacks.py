@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from stoker.errors import StokerError
+from stoker.errors import CallbackError, StokerError
 
 if TYPE_CHECKING:
     from stoker.train.loop import Loop
+
+__all__ = ["HOOKS", "Callback", "CallbackError", "Callbacks", "StepRecord", "check_plain"]
 
 #: The hooks, in the order a run calls them.
 HOOKS = (
@@ -40,10 +42,6 @@ HOOKS = (
     "on_checkpoint",
     "on_train_end",
 )
-
-
-class CallbackError(StokerError):
-    """A user callback raised: the run stopped, naming the callback and the hook."""
 
 
 @dataclass(frozen=True)
