@@ -86,8 +86,8 @@ class UserStep:
         """``(other outputs, loss)`` of one micro-batch, the other outputs detached."""
         try:
             result = self.step_fn(model, inputs)
-        except StokerError:
-            raise
+        except (StokerError, torch.OutOfMemoryError):
+            raise  # already for people, or not the function's bug (the batch is too large)
         except Exception as error:
             raise StokerError(
                 f"{self.field} {self.name} raised {type(error).__name__}: {error}",

@@ -368,3 +368,20 @@ def test_a_step_fn_with_token_normalization_is_refused() -> None:
         stoker.fit(
             TwoHeads(), (x, kind, size), step_fn=two_head_step, normalize="tokens", **OPTIONS
         )
+
+
+def test_a_step_fn_run_resumed_mid_epoch_reports_the_whole_epochs_outputs(tmp_path) -> None:
+    x, kind, size = two_head_data()
+
+    def run(callbacks=(), **options):
+        return stoker.fit(
+            TwoHeads(), (x, kind, size), epochs=2, step_fn=two_head_step, every_steps=1,
+            callbacks=list(callbacks), **OPTIONS, **options,
+        )  # fmt: skip
+
+    straight = run(run_dir=tmp_path / "a")
+    stopper = LossTracker(stop_at=8)  # epoch 2 (6 steps an epoch), mid-way
+    run([stopper], run_dir=tmp_path / "b")
+    resumed = run([LossTracker()], resume=tmp_path / "b")
+    for key in ("train/loss", "train/kind_loss", "train/kind_accuracy"):
+        assert resumed.history[-1][key] == straight.history[-1][key], key
