@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from stoker.errors import CallbackError, StokerError
+from stoker.errors import CallbackError, ConfigError
 
 if TYPE_CHECKING:
     from stoker.train.loop import Loop
@@ -101,7 +101,7 @@ class Callbacks:
         self.callbacks = list(callbacks)
         for callback in self.callbacks:
             if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-                raise StokerError(
+                raise ConfigError(
                     f"callback {_name(callback)} has none of the hooks {', '.join(HOOKS)}",
                     hint="define at least one of them (see stoker.train.callbacks.Callback)",
                 )

@@ -133,7 +133,6 @@ class Loop:
     step_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
     #: Steps 3 and 4, forward and loss (``stoker.train.objective``).
     objective: LossStep | UserStep = field(init=False, repr=False)
-    optimizer_calls: OptimizerCalls = field(init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
 
