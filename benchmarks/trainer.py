@@ -23,6 +23,9 @@ the same ArrayDataset, seed 0, so the same batches in the same order) and optimi
   (``stoker.train.optim_calls``: fused Adam's kernel straight, bitwise the same
   update), so that stoker / hand_direct is stoker's bookkeeping alone.
   Target: stoker's median step time / hand's <= 1.05, and bitwise-equal final weights.
+- ``stoker_callback``: ``stoker.fit`` with one callback whose ``on_step_end`` does
+  nothing, so that stoker_callback / stoker is what dispatching a step hook costs (a run
+  with no callback makes one call to an empty function per step instead).
 
 End to end (5 epochs):
 
@@ -164,6 +167,13 @@ def stoker_fit(model: nn.Module, data: Any, epochs: int, root: Path, **options: 
     return {"loss": result.metrics.get("train/loss"), "stoker_step_s": median(steps)}
 
 
+class NoOpStepCallback:
+    """A callback with an ``on_step_end`` that does nothing: the cost of the hook alone."""
+
+    def on_step_end(self, loop: Any, step: Any) -> None:
+        pass
+
+
 def lightning_available() -> bool:
     try:
         import lightning  # noqa: F401
@@ -237,6 +247,11 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             steps_per_epoch,
             lambda m: hand_loop(m, stoker_loader(), epochs, adam(True), direct=True),
         ),
+        "stoker_callback": Timed(
+            init,
+            steps_per_epoch,
+            lambda m: stoker_fit(m, arrays, epochs, root, callbacks=[NoOpStepCallback()]),
+        ),
     }
     if use_lightning:
         contenders["lightning"] = Timed(
@@ -305,6 +320,27 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             ),
             unit="x",
             note="the bookkeeping alone: both call fused Adam's kernel straight",
+        ),
+        info(
+            bench,
+            "overhead: stoker with a no-op on_step_end callback / stoker with none",
+            paired_ratio(
+                column(records["stoker_callback"], "step_s"), column(records["stoker"], "step_s")
+            ),
+            unit="x",
+            note="the step hook's dispatch (a StepRecord per step); none registered: no record",
+        ),
+        Check(
+            bench,
+            "overhead: final weights equal with a callback",
+            compare_weights(
+                contenders["stoker"].last_weights, contenders["stoker_callback"].last_weights
+            )["max_abs_diff"],
+            "bitwise",
+            compare_weights(
+                contenders["stoker"].last_weights, contenders["stoker_callback"].last_weights
+            )["bitwise_equal"],
+            unit="max|diff|",
         ),
         Check(
             bench,

@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 #: Each public name and the module that defines it.
 _EXPORTS = {
     "ArrayDataset": "stoker.data.sources",
+    "Callback": "stoker.train.callbacks",
+    "CallbackError": "stoker.errors",
     "CheckpointError": "stoker.errors",
     "ConfigError": "stoker.errors",
     "DataError": "stoker.errors",
@@ -22,6 +24,7 @@ _EXPORTS = {
     "FitResult": "stoker.train.session",
     "ModelError": "stoker.errors",
     "RunConfig": "stoker.config",
+    "StepRecord": "stoker.train.callbacks",
     "StokerError": "stoker.errors",
     "TrainingError": "stoker.errors",
     "build_loader": "stoker.data.loader",
@@ -36,6 +39,8 @@ _EXPORTS = {
 
 __all__ = [
     "ArrayDataset",
+    "Callback",
+    "CallbackError",
     "CheckpointError",
     "ConfigError",
     "DataError",
@@ -43,6 +48,7 @@ __all__ = [
     "FitResult",
     "ModelError",
     "RunConfig",
+    "StepRecord",
     "StokerError",
     "TrainingError",
     "__version__",
@@ -61,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from stoker.data.loader import EpochLoader, build_loader
     from stoker.data.sources import ArrayDataset, split_dataset
     from stoker.errors import (
+        CallbackError,
         CheckpointError,
         ConfigError,
         DataError,
@@ -70,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from stoker.inference import evaluate_run, load_model, predict
     from stoker.train.api import fit
+    from stoker.train.callbacks import Callback, StepRecord
     from stoker.train.session import FitResult, train_run
 
 

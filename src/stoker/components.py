@@ -106,7 +106,7 @@ def _call(
     factory = resolve_callable(spec.name, field=f"{field}.name", builtins=builtins)
     args = dict(spec.args)
     for key, value in (defaults or {}).items():
-        if key not in args and _accepts(factory, key):
+        if key not in args and accepts(factory, key):
             args[key] = value
     try:
         return factory(**args)
@@ -117,7 +117,8 @@ def _call(
         ) from None
 
 
-def _accepts(factory: Callable, name: str) -> bool:
+def accepts(factory: Callable, name: str) -> bool:
+    """Whether ``factory`` takes a keyword argument ``name`` (by name, not ``**kwargs``)."""
     try:
         return name in inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -232,3 +233,21 @@ def build_collate_fn(config: RunConfig) -> Callable | None:
             builtins=COLLATES,
         )
     return factory
+
+
+def build_callbacks(config: RunConfig) -> list[object]:
+    """The callbacks the config names (``callbacks: [file.py:Class, ...]``), in order."""
+    built = []
+    for index, item in enumerate(config.callbacks):
+        spec = ComponentSpec(name=item) if isinstance(item, str) else item
+        built.append(_call(spec, field=f"callbacks[{index}]", builtins={}))
+    return built
+
+
+def build_step_fns(config: RunConfig) -> tuple[Callable | None, Callable | None]:
+    """``train.step_fn`` and ``train.eval_fn``, imported (None where not set)."""
+    train = config.train
+    return tuple(  # type: ignore[return-value]
+        resolve_callable(spec, field=f"train.{name}", builtins={}) if spec else None
+        for name, spec in (("step_fn", train.step_fn), ("eval_fn", train.eval_fn))
+    )

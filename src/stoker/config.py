@@ -222,10 +222,32 @@ class LossConfig(Section):
     ignore_index: int = Field(-100, description="Target value of padding, with normalize=tokens.")
 
 
+#: The built-in optimizers and schedules; any other ``name`` is an import path.
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("constant", "cosine", "step", "onecycle")
+
+
+def _builtin_or_import_path(value: str, builtins: tuple[str, ...]) -> str:
+    if value in builtins or ":" in value:
+        return value
+    raise ValueError(
+        f"{value!r} is neither one of {', '.join(builtins)} nor an import path "
+        "`module:Class` / `file.py:factory`"
+    )
+
+
 class OptimConfig(Section):
     """The optimizer."""
 
-    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="The optimizer.")
+    name: str = Field(
+        "adamw",
+        description="adamw, adam, sgd, or an import path `module:Class` / `file.py:Class` of "
+        "any torch.optim.Optimizer, called with the parameters, `lr`, `weight_decay` (when "
+        "set) and `args`.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of an import-path optimizer."
+    )
     lr: PositiveFloat = Field(1e-3, description="Base learning rate (the peak of a schedule).")
     weight_decay: NonNegativeFloat | None = Field(
         None, description="Defaults to PyTorch's default."
@@ -238,12 +260,23 @@ class OptimConfig(Section):
         "auto", description="`auto`: the fused kernel where PyTorch has one for the device."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, value: str) -> str:
+        return _builtin_or_import_path(value, OPTIMIZERS)
+
 
 class ScheduleConfig(Section):
     """The learning-rate schedule, stepped once per optimizer step."""
 
-    name: Literal["constant", "cosine", "step", "onecycle"] = Field(
-        "constant", description="The schedule after warmup."
+    name: str = Field(
+        "constant",
+        description="The schedule after warmup: constant, cosine, step, onecycle, or an import "
+        "path `file.py:factory` called as `factory(optimizer, **args)` (and `total_steps=` "
+        "when it takes it) that returns an LR scheduler.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of an import-path schedule."
     )
     warmup_steps: NonNegativeInt = Field(0, description="Linear warmup before the schedule.")
     total_steps: PositiveInt | None = Field(
@@ -256,6 +289,11 @@ class ScheduleConfig(Section):
     pct_start: float = Field(0.3, gt=0, lt=1, description="`onecycle`: share of steps rising.")
     div_factor: PositiveFloat = Field(25.0, description="`onecycle`: initial lr = lr / div_factor.")
     final_div_factor: PositiveFloat = Field(1e4, description="`onecycle`: final lr divisor.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, value: str) -> str:
+        return _builtin_or_import_path(value, SCHEDULES)
 
 
 class EarlyStoppingConfig(Section):
@@ -305,6 +343,15 @@ class TrainConfig(Section):
         "metric's `higher_is_better`), min otherwise.",
     )
     early_stopping: EarlyStoppingConfig | None = None
+    step_fn: str | None = Field(
+        None,
+        description="Import path `file.py:function` of a `step_fn(model, batch)` that returns "
+        "the loss, or a dict with `loss` and other values (logged as train/<name>); it "
+        "replaces the model's forward and the loss.",
+    )
+    eval_fn: str | None = Field(
+        None, description="The same for validation (`val/<name>`); defaults to `step_fn`."
+    )
     log_every_steps: PositiveInt = Field(50, description="Steps between step-level metric records.")
     grad_health_every: NonNegativeInt = Field(
         100,
@@ -426,6 +473,11 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     distributed: DistributedConfig = DistributedConfig()
+    callbacks: list[str | ComponentSpec] = Field(
+        default_factory=list,
+        description="Callbacks, each an import path `file.py:Class` (called with no "
+        "arguments) or `{name: file.py:Class, args: {...}}`; run in this order.",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples), as written to `config.yaml` and checkpoints."""
@@ -568,8 +620,8 @@ def _flat_option_paths() -> dict[str, tuple[str, str]]:
             if section == "data" and field in ("train", "val", "test"):
                 continue
             option = _NAME_ALIASES.get(section, field) if field == "name" else field
-            if section == "loss" and field == "args":
-                option = "loss_args"
+            if field == "args":  # loss_args, optimizer_args, schedule_args
+                option = f"{_NAME_ALIASES[section]}_args"
             assert option not in paths, f"flat option {option!r} is ambiguous"
             paths[option] = (section, field)
     return paths

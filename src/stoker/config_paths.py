@@ -28,7 +28,12 @@ SPEC_FIELDS = frozenset(
         ("data", "test", "name"),
         ("loss", "name"),
         ("train", "metrics"),
+        ("callbacks", "item", "name"),
         ("loader", "collate_fn"),
+        ("optim", "name"),
+        ("schedule", "name"),
+        ("train", "step_fn"),
+        ("train", "eval_fn"),
     }
 )
 #: Fields that hold a file or folder.
@@ -44,7 +49,10 @@ ARG_FIELDS = frozenset(
         ("data", "val", "args"),
         ("data", "test", "args"),
         ("loss", "args"),
+        ("callbacks", "item", "args"),
         ("loader", "collate_args"),
+        ("optim", "args"),
+        ("schedule", "args"),
     }
 )
 #: Argument names that hold paths (besides names ending in one of PATH_ARG_SUFFIXES).
@@ -63,6 +71,14 @@ def resolve_paths(value: Any, *, at: tuple[str, ...], base: Path) -> Any:
 
     Values of the wrong type are returned unchanged: validation reports them.
     """
+    if at == ("callbacks",) and isinstance(value, list):
+        # Each item an import path, or a {name, args} spec like a model's.
+        return [
+            resolve_spec(item, base=base)
+            if isinstance(item, str)
+            else resolve_paths(item, at=("callbacks", "item"), base=base)
+            for item in value
+        ]
     kind = _kind(at)
     if kind == "path":
         return _each_string(value, lambda text: resolve_path(text, base=base))

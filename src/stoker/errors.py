@@ -67,6 +67,10 @@ class TrainingError(StokerError):
     """Training cannot continue (a non-finite loss, a diverged run)."""
 
 
+class CallbackError(StokerError):
+    """A user's callback raised: the run stopped, naming the callback and its hook."""
+
+
 class TrainingInterrupted(StokerError):
     """A stop signal (SIGTERM, SIGINT) ended training after a checkpoint was saved."""
 

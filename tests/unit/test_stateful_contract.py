@@ -85,3 +85,71 @@ def test_save_mid_epoch_restore_fresh_rest_identical(name: str, epoch: int, tmp_
     original.set_epoch(epoch + 1)
     fresh.set_epoch(epoch + 1)
     assert list(fresh) == list(original)
+
+
+# --- callbacks: the same contract, driven through their hooks --------------------------
+
+EXAMPLE_MODELS = Path(__file__).resolve().parents[2] / "examples" / "two_heads" / "models.py"
+
+
+def _example_callback(name: str, **args: Any) -> Any:
+    from stoker.components import resolve_callable
+
+    return resolve_callable(f"{EXAMPLE_MODELS}:{name}", field="test", builtins={})(**args)
+
+
+class _Loop:
+    """What a callback sees of the loop: counters, ``log`` and ``request_stop``."""
+
+    def __init__(self) -> None:
+        from stoker.train.state import TrainState
+
+        self.state = TrainState()
+        self.logged: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.logged.append({"step": self.state.step, **metrics})
+
+    def request_stop(self, reason: str = "") -> None:
+        self.logged.append({"stop": reason})
+
+
+def _drive(callbacks: Any, loop: _Loop, steps: range) -> None:
+    from stoker.train.callbacks import StepRecord
+
+    for step in steps:
+        loop.state.step = step + 1
+        loss = torch.tensor(1.0 / (step + 1))
+        record = StepRecord(
+            step=step + 1, epoch=1, batch=step + 1, loss=loss, lr=0.1,
+            metrics={"train/kind_loss": loss * 0.25},
+        )  # fmt: skip
+        callbacks.call("on_step_end", loop, record)
+
+
+CALLBACKS: dict[str, Callable[[], list[Any]]] = {
+    "two-heads example LossBalance": lambda: [_example_callback("LossBalance", every=2)],
+    "two of one class": lambda: [
+        _example_callback("LossBalance", every=2),
+        _example_callback("LossBalance", every=3),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_callbacks_save_mid_run_restore_fresh_rest_identical(name: str) -> None:
+    from stoker.train.callbacks import Callbacks
+
+    original, loop = Callbacks(CALLBACKS[name]()), _Loop()
+    _drive(original, loop, range(7))
+    state = _roundtrip(original.state_dict())
+    assert state, "the contract needs a callback with state"
+    loop.logged.clear()
+    _drive(original, loop, range(7, 20))
+    rest = loop.logged
+
+    fresh, again = Callbacks(CALLBACKS[name]()), _Loop()
+    assert fresh.load_state_dict(state) == []  # every state found its callback
+    _drive(fresh, again, range(7, 20))
+    assert rest and again.logged == rest
+    assert fresh.state_dict() == original.state_dict()

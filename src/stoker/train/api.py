@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ def fit(
     progress: Literal["auto", "rich", "plain", "quiet"] = "auto",
     allow_data_change: bool = False,
     allow_config_change: bool = False,
+    callbacks: Sequence[object] = (),
     **options: Any,
 ) -> FitResult:
     """Train ``model`` on ``train_data``, validating on ``val_data`` after each epoch.
@@ -42,9 +43,13 @@ def fit(
     ``lr``, ``precision``, ``grad_accum_steps``, ``clip_grad_norm``, ``run_dir``,
     ``seed`` … (the full list is ``stoker.config.FLAT_OPTIONS``); ``optimizer``,
     ``schedule`` and ``loss`` take the config's names. ``loss`` and ``collate_fn``
-    may also be callables. ``metrics`` takes built-in names (``["f1", "top5_accuracy"]``),
-    functions ``(outputs, targets) -> number`` and torchmetrics objects, in a list or a
-    ``{key: metric}`` dict.
+    may also be callables; ``optimizer`` a ``torch.optim.Optimizer`` over the model's
+    parameters or a factory ``params -> Optimizer``; ``schedule`` an LR scheduler over
+    that optimizer or a factory ``optimizer -> scheduler``; ``step_fn`` and ``eval_fn``
+    functions ``(model, batch) -> loss or {"loss": ..., "other": ...}`` that replace
+    the forward and the loss (see docs/own-code.md). ``metrics`` takes built-in names
+    (``["f1", "top5_accuracy"]``), functions ``(outputs, targets) -> number`` and
+    torchmetrics objects, in a list or a ``{key: metric}`` dict.
 
     Args:
         model: Any ``torch.nn.Module``.
@@ -58,6 +63,7 @@ def fit(
         allow_data_change: With ``resume``, continue even if the training data changed.
         allow_config_change: With ``resume``, continue even if the batch size, workers,
             seed or another setting the exact resume depends on changed.
+        callbacks: Objects with any of the hooks of ``stoker.Callback``, called in order.
 
     Returns:
         The final metrics, the per-epoch history, the run dir and the trained model.
@@ -66,6 +72,10 @@ def fit(
         raise ConfigError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}")
     loss_fn = _pop_callable(options, "loss")
     collate_fn = _pop_callable(options, "collate_fn")
+    step_fn = _pop_callable(options, "step_fn")
+    eval_fn = _pop_callable(options, "eval_fn")
+    optimizer = _pop_callable(options, "optimizer", torch.optim.Optimizer)
+    scheduler = _pop_callable(options, "schedule", torch.optim.lr_scheduler.LRScheduler)
     if loss_fn is not None and "loss" not in options:
         options["loss"] = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     options["metrics"], metric_objects = split_fit_metrics(options.pop("metrics", None))
@@ -83,6 +93,11 @@ def fit(
         collate_fn=collate_fn,
         test_data=test,
         metrics=tuple(metric_objects),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        callbacks=tuple(callbacks),
+        step_fn=step_fn,
+        eval_fn=eval_fn,
     )
     return train_run(
         config,
@@ -112,9 +127,10 @@ def _split(
     return train, val if val is not None else val_part, test if test is not None else test_part
 
 
-def _pop_callable(options: dict[str, Any], key: str) -> Callable | None:
+def _pop_callable(options: dict[str, Any], key: str, *kinds: type) -> Any:
+    """Take ``key`` out of the options when it holds a callable (or one of ``kinds``)."""
     value = options.get(key)
-    if value is not None and callable(value):
+    if value is not None and (callable(value) or isinstance(value, kinds)):
         del options[key]
         return value
     return None

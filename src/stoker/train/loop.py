@@ -19,8 +19,8 @@ from stoker.data.samplers import rank_and_world_size
 from stoker.errors import TrainingInterrupted
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer, timing_record
-from stoker.train.batch import batch_size_of, explain_loss_failure, forward, split_batch
-from stoker.train.evaluate import evaluate
+from stoker.train.batch import batch_size_of
+from stoker.train.callbacks import Callbacks
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import FiniteCheck, GradClipper, whole_tensor
 from stoker.train.metric_set import NO_METRICS, Metrics
@@ -35,6 +35,7 @@ from stoker.train.numerics import (
     overflow_step,
     roll_back,
 )
+from stoker.train.objective import LossStep, StepFn, UserStep, validate
 from stoker.train.optim_calls import OptimizerCalls
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
@@ -52,6 +53,10 @@ class StepCheckpointHook(Protocol):
     """Saves a checkpoint in the middle of an epoch (every N steps, or when stopping)."""
 
     def __call__(self, loop: Loop, progress: dict[str, Any]) -> None: ...
+
+
+class StopRequested(Exception):
+    """A callback asked the run to stop after a step: ``run`` ends it (no error)."""
 
 
 class StopRequest:
@@ -119,11 +124,38 @@ class Loop:
     #: ``optimizer.step()`` and ``zero_grad()`` as the loop makes them: through the scaler
     #: when scaling (fp16), else without torch.optim's Python when provably the same.
     optimizer_calls: OptimizerCalls = field(init=False, repr=False)
+    #: The user's callbacks (``stoker.train.callbacks``); none: each hook is a no-op.
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    #: A user's ``step_fn(model, batch)`` in place of forward + loss, and the one
+    #: validation uses (``eval_fn``, else ``step_fn``); None: the model and ``loss_fn``.
+    step_fn: StepFn | None = None
+    eval_fn: StepFn | None = None
+    #: Why a callback asked the run to stop (``request_stop``); None while it trains on.
+    stop_reason: str | None = None
+    #: The last optimizer step's loss (a 0-d device tensor), for ``on_step_end``.
+    step_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
+    #: Steps 3 and 4, forward and loss (``stoker.train.objective``).
+    objective: LossStep | UserStep = field(init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.optimizer_calls = OptimizerCalls(self.optimizer, self.precision)
+        self.objective = UserStep(self.step_fn) if self.step_fn else LossStep(self)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Write ``metrics`` (``group/name`` keys) to the run's sinks at the current step."""
+        state = self.state
+        self.sink.log({"epoch": state.epoch_number, "step": state.step, **metrics})
+
+    def request_stop(self, reason: str = "a callback") -> None:
+        """End the run after the current step (or epoch), with a checkpoint to resume from.
+
+        ``fit`` then returns normally; ``FitResult.stop_reason`` holds ``reason``.
+        """
+        self.stop_reason = reason
+        if self.stop.signal_name is None:
+            self.stop.signal_name = reason
 
     def to_device(self, batch: Any) -> Any:
         """Step 2, transfer: every tensor of ``batch`` to the training device.
@@ -174,8 +206,9 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     if not micro_batches:
         timer.close_step(fetching)  # the step before ends where this fetch began
         return 0
-    pairs = [split_batch(batch) for batch in micro_batches]  # (inputs, targets)
-    sizes = [_count(loop, targets) for _, targets in pairs]
+    objective = loop.objective
+    pairs = [objective.split(batch) for batch in micro_batches]  # (inputs, targets)
+    sizes = [objective.count(inputs, targets) for inputs, targets in pairs]
     step_count = sum(sizes)
     last = len(pairs) - 1
     step_loss: torch.Tensor | None = None
@@ -189,8 +222,7 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         with loop.no_sync() if index < last else _NO_CONTEXT:
             # 3. Forward and 4. loss, in the run's precision.
             with loop.precision.autocast():
-                outputs = forward(loop.model, inputs)
-                loss = _loss(loop, outputs, targets)
+                outputs, loss = objective(loop.model, inputs, targets)
             forwarded = now()
             # 5. Backward. Weighting by samples (or real tokens) makes the accumulated
             # gradient that of one batch of `step_count`, also for a smaller last
@@ -230,8 +262,9 @@ def _train_single(
     if batch is _END:
         timer.close_step(fetching)  # the step before ends where this fetch began
         return 0
-    inputs, targets = split_batch(batch)
-    size = _count(loop, targets)  # on the host still: counting tokens costs no sync
+    objective = loop.objective
+    inputs, targets = objective.split(batch)
+    size = objective.count(inputs, targets)  # on the host still: counting costs no sync
     # 2. Transfer: none on the CPU, where no clock is read for it either (it takes 0 s).
     transferred = fetched
     if timer.times_transfer:
@@ -240,8 +273,7 @@ def _train_single(
     precision = loop.precision
     # 3. Forward and 4. loss, in the run's precision.
     with precision.autocast():
-        outputs = forward(loop.model, inputs)
-        loss = _loss(loop, outputs, targets)
+        outputs, loss = objective(loop.model, inputs, targets)
     forwarded = now()
     # 5. Backward: the batch's mean loss, unweighted.
     precision.backward(loss)
@@ -298,6 +330,7 @@ def _update(
             loop.sink.log({"epoch": state.epoch_number, "step": state.step + 1, **health_record})
 
     # 9. Record, on the device; read only every `log_every_steps`.
+    loop.step_loss = step_loss
     state.step += 1
     state.samples_seen += samples
     if verdict != "skipped":
@@ -307,21 +340,6 @@ def _update(
         window.norms += 1
     window.steps += 1
     window.samples += samples
-
-
-def _count(loop: Loop, targets: Any) -> int:
-    """What a micro-batch's loss is averaged over: its samples, or its real tokens."""
-    if loop.normalize == "tokens":
-        # Targets are still on the host here, so counting costs no device sync.
-        return int((targets != loop.ignore_index).sum())
-    return batch_size_of(targets)
-
-
-def _loss(loop: Loop, outputs: Any, targets: Any) -> torch.Tensor:
-    try:
-        return loop.loss_fn(outputs, targets)
-    except (RuntimeError, ValueError, IndexError) as error:
-        raise explain_loss_failure(error, outputs, targets, loss_name=loop.loss_name) from error
 
 
 def _clip(loop: Loop, *, wanted: bool) -> torch.Tensor | None:
@@ -348,6 +366,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     loop.train_loader.set_epoch(state.epoch)
     loop.model.train()
     metrics = TaskMetrics(loop.task, ignore_index=_ignored(loop), loss_fn=loop.loss_fn)
+    metrics = loop.objective.metrics(metrics)  # a step_fn's other outputs are summed too
     window = StepWindow.empty(loop.device)
     epoch_norm_sum = torch.zeros((), device=loop.device)
     epoch_norms = 0
@@ -372,6 +391,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     # Read once for the epoch: what every step checks (each lookup costs on a tiny step).
     max_steps, stop, log_every = loop.max_steps, loop.stop, loop.log_every_steps
     checkpointing, advance = loop.on_step_checkpoint is not None, loop.progress.advance
+    step_end = loop.callbacks.step_end  # the callbacks' on_step_end; a no-op when none
     while max_steps is None or state.step < max_steps:
         try:
             used = train_step(loop, batches, metrics, window)
@@ -382,6 +402,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
             break
         steps += 1
         consumed += used
+        step_end(loop, metrics, consumed)
         if checkpointing and _should_checkpoint(loop):
             loop.timer.close_step()  # a save is no step's time
             loop.on_step_checkpoint(  # type: ignore[misc]
@@ -395,6 +416,8 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
                 },
             )
         if stop.requested:  # AgreedStop (distributed) has its own `requested`
+            if loop.stop_reason is not None:
+                raise StopRequested  # a callback's request: the run ends without an error
             raise TrainingInterrupted(
                 f"stopped by {stop.signal_name} after step {state.step} "
                 f"(epoch {state.epoch_number}, batch {consumed})"
@@ -487,36 +510,33 @@ def _record_window(loop: Loop, window: StepWindow) -> None:
 
 
 def run(loop: Loop) -> list[dict[str, Any]]:
-    """Train until the epochs or steps run out or early stopping fires; returns the history."""
-    state = loop.state
-    while not loop.finished() and not loop.stopped_early:
+    """Train until the epochs or steps run out, early stopping fires or a callback asks to
+    stop; returns the history."""
+    state, callbacks = loop.state, loop.callbacks
+    callbacks.call("on_train_start", loop)
+    while not loop.finished() and not loop.stopped_early and loop.stop_reason is None:
         # Records, messages and progress all number epochs from 1 (TrainState.epoch_number).
         record: dict[str, Any] = {"epoch": state.epoch_number}
         try:
             record.update(train_epoch(loop))
         except RolledBack:
             continue  # restored from a checkpoint: train on from there
+        except StopRequested:
+            break  # mid-epoch: the step's checkpoint resumes the epoch where it stopped
         if loop.val_loader is not None:
-            record.update(
-                evaluate(
-                    loop.model,
-                    loop.val_loader,
-                    loop.loss_fn,
-                    device=loop.device,
-                    precision=loop.precision,
-                    task=loop.task,
-                    ignore_index=_ignored(loop),
-                    metrics=loop.metrics,
-                )
-            )
+            validation = validate(loop)
+            callbacks.call("on_validation_end", loop, validation)
+            record.update(validation)
         bad_records = getattr(loop.train_loader, "bad_records", None)
         if bad_records is not None and bad_records.total:  # data.bad_records=skip met some
             record["data/bad_records"] = bad_records.total  # distinct, train and val
         record["step"] = state.step
         update_monitor(loop, record)
+        callbacks.call("on_epoch_end", loop, record)  # what it adds to record is logged
         loop.sink.log(record)
         loop.progress.end_epoch(record["epoch"], record)
         loop.history.append(record)
         state.epoch += 1
         loop.on_epoch_end(loop, record)
+    callbacks.call("on_train_end", loop)
     return loop.history

@@ -1,4 +1,5 @@
-"""Optimizers and learning-rate schedules (warmup + constant/cosine/step/one-cycle)."""
+"""Optimizers and learning-rate schedules (warmup + constant/cosine/step/one-cycle),
+built-in or the user's own (an object, a factory, or an import path in the config)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,35 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from stoker.config import OptimConfig, ScheduleConfig
+from stoker.config import OPTIMIZERS, SCHEDULES, OptimConfig, ScheduleConfig
+from stoker.errors import ConfigError
+
+#: What ``stoker.fit(optimizer=...)`` takes besides a name: an optimizer, or a factory
+#: ``params -> Optimizer``; and ``schedule=``: a scheduler, or ``optimizer -> scheduler``.
+UserOptimizer = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+UserScheduler = Any
 
 
 def build_optimizer(
-    model: nn.Module, config: OptimConfig, *, device: torch.device
+    model: nn.Module,
+    config: OptimConfig,
+    *,
+    device: torch.device,
+    user: UserOptimizer | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer over the model's trainable parameters.
 
-    ``fused: auto`` picks PyTorch's fused kernel for Adam/AdamW where the device has
-    one (CUDA, and CPU since PyTorch 2.4): the same update with fewer kernel launches.
+    ``user`` (an optimizer, or a factory called with the parameters) wins over the
+    config; an import path in ``optim.name`` is called with the parameters, ``lr``,
+    ``weight_decay`` (when set) and ``optim.args``. ``fused: auto`` picks PyTorch's
+    fused kernel for the built-in Adam/AdamW where the device has one (CUDA, and CPU
+    since PyTorch 2.4): the same update with fewer kernel launches.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if user is not None:
+        return _users_optimizer(user, model, params)
+    if config.name not in OPTIMIZERS:
+        return _imported_optimizer(config, params)
     options: dict[str, Any] = {"lr": config.lr}
     if config.weight_decay is not None:
         options["weight_decay"] = config.weight_decay
@@ -78,9 +96,21 @@ def _cosine(progress: float, *, start: float = 1.0, end: float = 0.0) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: ScheduleConfig, *, total_steps: int
-) -> LambdaLR:
-    """A LambdaLR stepped once per optimizer step; its state is just the step count."""
+    optimizer: torch.optim.Optimizer,
+    config: ScheduleConfig,
+    *,
+    total_steps: int,
+    user: UserScheduler | None = None,
+) -> Any:
+    """The schedule, stepped once per optimizer step.
+
+    A built-in is a LambdaLR whose state is just the step count. ``user`` (a scheduler
+    over ``optimizer``, or a factory called with it) wins over the config; an import
+    path in ``schedule.name`` is called with the optimizer, ``schedule.args`` and
+    ``total_steps`` (the run's optimizer steps) when it takes that argument.
+    """
+    if user is not None or config.name not in SCHEDULES:
+        return _users_scheduler(user, optimizer, config, total_steps=total_steps)
     if config.name == "constant" and config.warmup_steps == 0:
         return ConstantLR(optimizer)
     base_lr = optimizer.param_groups[0]["lr"]
@@ -113,3 +143,133 @@ class ConstantLR(LambdaLR):
     def step(self, epoch: int | None = None) -> None:
         self._step_count += 1
         self.last_epoch += 1
+
+
+# --- the user's own -------------------------------------------------------------------
+
+
+def _users_optimizer(
+    user: UserOptimizer, model: nn.Module, params: list[nn.Parameter]
+) -> torch.optim.Optimizer:
+    if isinstance(user, torch.optim.Optimizer):
+        optimizer = user
+    elif callable(user):
+        optimizer = user(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"fit: optimizer= factory {_name(user)} returned a {type(optimizer).__name__}, "
+                "not a torch.optim.Optimizer",
+                hint="pass optimizer=lambda params: MyOptimizer(params, lr=...)",
+            )
+    else:
+        raise ConfigError(
+            f"fit: optimizer= got a {type(user).__name__}",
+            hint="pass a name (adamw, adam, sgd), a torch.optim.Optimizer, or a factory "
+            "params -> Optimizer",
+        )
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ConfigError(
+            f"fit: the optimizer updates {foreign} tensor(s) that are not the model's "
+            "parameters (built over another model or a copy, or before FSDP sharded it)",
+            hint="build it over model.parameters() of the model given to fit, or pass a "
+            "factory: optimizer=lambda params: MyOptimizer(params, lr=...)",
+        )
+    return optimizer
+
+
+def _imported_optimizer(config: OptimConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    from stoker.components import accepts, resolve_callable  # components imports the config
+
+    _refuse_builtin_fields(config, OptimConfig, ("momentum", "nesterov", "betas", "eps", "fused"))
+    cls = resolve_callable(config.name, field="optim.name", builtins={})
+    args = dict(config.args)
+    defaults = {"lr": config.lr, "weight_decay": config.weight_decay}
+    for key, value in defaults.items():
+        if value is not None and key not in args and accepts(cls, key):
+            args[key] = value
+    try:
+        optimizer = cls(params, **args)
+    except TypeError as error:
+        raise ConfigError(
+            f"optim: {config.name}(params, **{args}) failed: {error}",
+            hint="check the keys under optim.args",
+        ) from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optim.name: {config.name} made a {type(optimizer).__name__}, "
+            "not a torch.optim.Optimizer"
+        )
+    return optimizer
+
+
+def _users_scheduler(
+    user: UserScheduler | None,
+    optimizer: torch.optim.Optimizer,
+    config: ScheduleConfig,
+    *,
+    total_steps: int,
+) -> Any:
+    field = "fit: schedule="
+    if user is None:
+        from stoker.components import accepts, resolve_callable
+
+        _refuse_builtin_fields(
+            config,
+            ScheduleConfig,
+            ("warmup_steps", "total_steps", "min_lr", "step_size", "gamma", "pct_start",
+             "div_factor", "final_div_factor"),
+        )  # fmt: skip
+        field = "schedule.name:"
+        factory = resolve_callable(config.name, field="schedule.name", builtins={})
+        args = dict(config.args)
+        if "total_steps" not in args and accepts(factory, "total_steps"):
+            args["total_steps"] = total_steps
+        try:
+            scheduler = factory(optimizer, **args)
+        except TypeError as error:
+            raise ConfigError(
+                f"schedule: {config.name}(optimizer, **{args}) failed: {error}",
+                hint="check the keys under schedule.args",
+            ) from None
+    elif isinstance(user, torch.optim.lr_scheduler.LRScheduler):
+        scheduler = user
+    elif callable(user):
+        scheduler = user(optimizer)
+    else:
+        raise ConfigError(
+            f"fit: schedule= got a {type(user).__name__}",
+            hint="pass a name (constant, cosine, step, onecycle), an LR scheduler, or a "
+            "factory optimizer -> scheduler",
+        )
+    missing = [m for m in ("step", "state_dict", "load_state_dict", "get_last_lr")
+               if not callable(getattr(scheduler, m, None))]  # fmt: skip
+    if missing:
+        raise ConfigError(
+            f"{field} {type(scheduler).__name__} is no LR scheduler (it has no "
+            f"{', '.join(missing)})",
+            hint="return a torch.optim.lr_scheduler scheduler (LambdaLR, OneCycleLR, ...)",
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ConfigError(
+            f"{field} the scheduler was built over another optimizer than the run's",
+            hint="pass a factory: schedule=lambda optimizer: MyScheduler(optimizer, ...)",
+        )
+    return scheduler
+
+
+def _refuse_builtin_fields(config: Any, section: type, names: tuple[str, ...]) -> None:
+    """Built-in-only settings changed beside an import path would be silently ignored."""
+    prefix = "optim" if section is OptimConfig else "schedule"
+    changed = [n for n in names if getattr(config, n) != section.model_fields[n].default]
+    if changed:
+        keys = ", ".join(f"{prefix}.{n}" for n in changed)
+        raise ConfigError(
+            f"{keys}: set for the built-in {prefix} kinds only, but {prefix}.name is {config.name}",
+            hint=f"pass them to {config.name} under {prefix}.args instead",
+        )
+
+
+def _name(value: Any) -> str:
+    return getattr(value, "__qualname__", type(value).__name__)

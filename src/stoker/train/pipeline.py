@@ -37,6 +37,13 @@ class UserComponents:
     test_data: Dataset | None = None
     #: Metric functions and objects, each with its key (None: from its name).
     metrics: tuple[tuple[str | None, Any], ...] = ()
+    #: An optimizer or a factory ``params -> Optimizer``; a scheduler or ``optimizer ->
+    #: scheduler``; callbacks; ``step_fn``/``eval_fn`` (see ``stoker.train.objective``).
+    optimizer: Any = None
+    scheduler: Any = None
+    callbacks: tuple[object, ...] = ()
+    step_fn: Callable | None = None
+    eval_fn: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ running metrics. All of it is tensors and plain data, so it loads with
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 import threading
@@ -26,6 +27,7 @@ from stoker.data.fingerprint import Fingerprint
 from stoker.data.records import BadRecordLog
 from stoker.data.worker_watch import STOP_SIGNALS
 from stoker.errors import CheckpointError
+from stoker.train.callbacks import Callbacks
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, StopRequest
 from stoker.train.precision import Precision
@@ -38,6 +40,8 @@ from stoker.train.resume_changes import (
     weights_error,
 )
 from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
+
+logger = logging.getLogger("stoker")
 
 
 class PlainWeights:
@@ -95,6 +99,7 @@ class ResumableParts:
     config: dict[str, Any]
     fingerprint: Fingerprint | None
     weights: Any = field(default_factory=PlainWeights)
+    callbacks: Callbacks = field(default_factory=Callbacks)
 
     def rank_state(self, *, in_epoch: dict[str, Any] | None = None) -> dict[str, Any]:
         """What differs between ranks: RNG streams, loader position, the epoch's running sums."""
@@ -133,6 +138,7 @@ class ResumableParts:
             "bad_records": self.bad_records.state_dict(),
             "history": loop.history,
             "numerics": loop.numerics.state_dict(),
+            "callbacks": self.callbacks.state_dict(),
             "loader": ranks[0]["loader"],
             "in_epoch": in_epoch,
             "rng": ranks[0]["rng"],
@@ -171,6 +177,8 @@ class ResumableParts:
             self.checkpointer.load_state_dict(bundle["checkpointer"])
         self.bad_records.load_state_dict(bundle.get("bad_records", self.bad_records.state_dict()))
         self.train_loader.load_state_dict(own.get("loader", {"epoch": self.state.epoch}))
+        for warning in self.callbacks.load_state_dict(bundle.get("callbacks")):
+            logger.warning("resume: %s", warning)
         restore_rng_state(own["rng"])
         return list(bundle.get("history", [])), own.get("in_epoch", bundle.get("in_epoch"))
 

@@ -83,6 +83,12 @@ POLICY: dict[tuple[str, ...], tuple[Decision, str]] = {
     ("train", "prefetch"): ("applied", "the same batches, copied another way"),
     ("train", "task"): ("applied", "which metrics are computed"),
     ("train", "metrics"): ("applied", "which metrics are computed"),
+    ("train", "step_fn"): ("refused", "changes the loss being minimized"),
+    ("train", "eval_fn"): ("applied", "validation only"),
+    ("callbacks",): (
+        "applied",
+        "your code at the loop's hooks; its state is restored by class name",
+    ),
     ("train", "monitor"): ("applied", "which checkpoint counts as best"),
     ("train", "monitor_mode"): ("applied", "which checkpoint counts as best"),
     ("train", "early_stopping"): ("applied", "when the run ends"),

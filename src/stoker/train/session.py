@@ -42,6 +42,7 @@ from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
 from stoker.safe_files import write_text
+from stoker.train.callbacks import Callbacks
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
@@ -82,6 +83,8 @@ class FitResult:
             (patience running out in the last epoch is no early stop).
         test_metrics: The test data's figures (``test/loss``, ...), evaluated once at
             the end (``data.test``, ``data.test_fraction``); empty without test data.
+        stop_reason: Why a callback ended the run (``loop.request_stop``); None when
+            it ran to its end.
     """
 
     metrics: dict[str, Any]
@@ -93,6 +96,7 @@ class FitResult:
     best_epoch: int | None
     stopped_early: bool
     test_metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str | None = None
 
 
 def train_run(
@@ -153,10 +157,15 @@ def _train_run(
     model.to(device)
     # DDP or FSDP2 with several ranks; before the optimizer, as FSDP2 swaps the parameters.
     wrapped = dist.wrap(model, config.distributed, device=device)
-    optimizer = build_optimizer(model, config.optim, device=device)
+    optimizer = build_optimizer(model, config.optim, device=device, user=user.optimizer)
     scheduler = build_scheduler(
-        optimizer, config.schedule, total_steps=_total_steps(config, train_loader)
+        optimizer,
+        config.schedule,
+        total_steps=_total_steps(config, train_loader),
+        user=user.scheduler,
     )
+    callbacks = Callbacks([*components.build_callbacks(config), *user.callbacks])
+    step_fn, eval_fn = _step_fns(config, user)
     precision = build_precision(config.train, device)
     state = TrainState()
     monitor = _monitor(config, has_val=val_loader is not None, metrics=pipeline.metrics)
@@ -225,6 +234,7 @@ def _train_run(
         config=config.to_dict(),
         fingerprint=fingerprint,
         weights=dist.weights_io(config.distributed, checkpoints=run_dir / "checkpoints"),
+        callbacks=callbacks,
     )
     history: list[dict[str, Any]] = []
     in_epoch = None
@@ -278,13 +288,14 @@ def _train_run(
         ranks = dist.gather(parts.rank_state(in_epoch=in_epoch))
         if checkpointer is not None:
             with watchdog.paused():
-                checkpointer.save(
+                path = checkpointer.save(
                     parts.bundle(loop, in_epoch=in_epoch, ranks=ranks, weights=weights),
                     epoch=epoch,
                     step=state.step,
                     metrics=metrics,
                     write_first=parts.weights.write_first(model, optimizer),
                 )
+            callbacks.call("on_checkpoint", loop, path)
         else:
             parts.weights.join_write(model, optimizer)  # FSDP: each rank writes its shard
 
@@ -313,7 +324,7 @@ def _train_run(
         clipper=parts.clipper,
         loss_fn=loss_fn,
         loss_name=config.loss.name,
-        task=_task(config),
+        task="none" if step_fn is not None else _task(config),
         train_loader=loop_loader,
         val_loader=val_loader,
         device=device,
@@ -324,7 +335,7 @@ def _train_run(
         on_epoch_end=save_checkpoint,
         timer=timer,
         system=SystemMonitor(device),
-        health=GradHealth(config.train.grad_health_every, optimizer_kind=config.optim.name),
+        health=GradHealth(config.train.grad_health_every, optimizer_kind=type(optimizer).__name__),
         prefetcher=DevicePrefetcher(device, enabled=_prefetch(config.train.prefetch, device)),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
@@ -343,6 +354,9 @@ def _train_run(
         )
         if config.checkpoint.enabled
         else None,
+        callbacks=callbacks,
+        step_fn=step_fn,
+        eval_fn=eval_fn,
     )
     if stop is not None:
         loop.stop = stop
@@ -369,6 +383,9 @@ def _train_run(
         sink.close()
         if checkpointer is not None:
             checkpointer.close()
+    if dist.is_main and loop.stop_reason is not None:
+        saved = "; checkpoint saved" if config.checkpoint.enabled else "; no checkpoint"
+        view.message(f"stopped by {loop.stop_reason} after step {state.step}{saved}")
     if dist.is_main:
         summary = _write_summary(loop, run_dir)
         for line in summary_lines(summary):
@@ -390,6 +407,7 @@ def _train_run(
         best_epoch=state.best_epoch,
         stopped_early=loop.stopped_early,
         test_metrics=test_metrics,
+        stop_reason=loop.stop_reason,
     )
 
 
@@ -480,6 +498,24 @@ def _total_steps(config: RunConfig, loader: Any) -> int:
         return config.train.max_steps or config.schedule.total_steps or 1
     total = per_epoch * config.train.epochs
     return min(total, config.train.max_steps) if config.train.max_steps else total
+
+
+def _step_fns(config: RunConfig, user: UserComponents) -> tuple[Any, Any]:
+    """The user's step_fn and eval_fn: objects given to ``fit`` win over the config's."""
+    step_fn, eval_fn = components.build_step_fns(config)
+    step_fn, eval_fn = user.step_fn or step_fn, user.eval_fn or eval_fn
+    if eval_fn is not None and step_fn is None:
+        raise ConfigError(
+            "train.eval_fn is set but train.step_fn is not",
+            hint="set train.step_fn too (eval_fn replaces validation only)",
+        )
+    if step_fn is not None and config.loss.normalize == "tokens":
+        raise ConfigError(
+            "loss.normalize=tokens counts the targets' real tokens, which a step_fn's "
+            "batch does not name",
+            hint="set loss.normalize=samples; average over tokens inside the step_fn",
+        )
+    return step_fn, eval_fn
 
 
 def _task(config: RunConfig) -> Task | None:
