@@ -114,7 +114,7 @@ class Loop:
     #: Distributed: combines every rank's (loss finite, gradients finite) into one verdict.
     agree_finite: Callable[[bool, bool], tuple[bool, bool]] | None = None
     #: ``optimizer.step()`` and ``zero_grad()`` as the loop makes them: through the scaler
-    #: when scaling (fp16), else without torch.optim's Python when provably the same.
+    #: when scaling (fp16), else ``optimizer.step()`` (public calls only, see optim_calls).
     optimizer_calls: OptimizerCalls = field(init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
