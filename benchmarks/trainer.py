@@ -156,6 +156,7 @@ def stoker_fit(model: nn.Module, data: Any, epochs: int, root: Path, **options: 
         lr=LR,
         loss="cross_entropy",
         seed=0,
+        threads=torch.get_num_threads(),  # the hand loops' count (--threads)
         progress="quiet",
         tensorboard=False,
         enabled=False,  # checkpoint.enabled

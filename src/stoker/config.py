@@ -201,6 +201,12 @@ class TrainConfig(Section):
         "auto", description="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    threads: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="PyTorch intra-op threads (torch.set_num_threads). `auto`: the cores this "
+        "process may use, less one per loader worker and the cores other processes keep "
+        "busy at the start, at least 1 (OMP_NUM_THREADS, when set, is kept).",
+    )
     prefetch: bool | Literal["auto"] = Field(
         "auto",
         description="Copy the next batch to the GPU on a side stream during the step "
