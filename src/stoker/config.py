@@ -62,9 +62,15 @@ class DataConfig(Section):
         ),
     )
     cache: Literal["none", "memory", "disk"] = Field(
-        "none", description="Cache decoded samples so per-sample work happens once."
+        "none",
+        description="Do per-sample work once. `memory`: a deterministic Dataset is read once "
+        "into arrays and served by batched gathers (else each sample is kept as read); an "
+        "image folder is decoded once into uint8 arrays, its crops and flips replayed per "
+        "batch. `disk`: the same kept in files under `cache_path`, for workers and later runs.",
     )
-    cache_path: str | None = Field(None, description="Folder of the disk cache.")
+    cache_path: str | None = Field(
+        None, description="Folder of the disk cache (`.npy` files), reused while the data is."
+    )
     bad_records: Literal["error", "skip"] = Field(
         "error",
         description="`error`: stop at a malformed record; `skip`: log it to bad_records.jsonl.",

@@ -236,9 +236,19 @@ class ImageFolder(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Any, int] | BadSample:
+        i = operator.index(index) % len(self.samples)  # ds[-1] is ds[n - 1], augmentation too
+        decoded = self.decode(i)
+        if isinstance(decoded, BadSample):
+            return decoded
+        generator = None if self.transform is None else self._seeds.generator(self.epoch, i)
+        # A plain int label: the collate function makes one tensor of the batch's labels.
+        return self._transform(decoded, generator=generator), self.samples[i][1]
+
+    def decode(self, index: int) -> Any:
+        """The Pillow image of sample ``index`` in ``image_mode``, before any transform
+        (a ``BadSample`` when the file cannot be decoded and ``bad_records`` is skip)."""
         i = operator.index(index)
-        path, target = self.samples[i]
-        i %= len(self.samples)  # ds[-1] is ds[n - 1], augmentation included
+        path = self.samples[i][0]
         image_module = _pillow()
         mode = self.image_mode
         try:
@@ -251,16 +261,14 @@ class ImageFolder(Dataset):
             return bad_record(
                 self.bad_records,
                 source=path,
-                location=f"index {i}",
+                location=f"index {i % len(self.samples)}",
                 reason=f"cannot decode image: {type(error).__name__}: {error}",
             )
         if decoded.mode != mode:  # only under keep: a file unlike the first ones
             raise self._mixed_modes(path, decoded.mode, self._keep_source, mode)
         if self.mode is None and _expanded(found) != mode:
             self._note_conversion(path, found)
-        generator = None if self.transform is None else self._seeds.generator(self.epoch, i)
-        # A plain int label: the collate function makes one tensor of the batch's labels.
-        return self._transform(decoded, generator=generator), target
+        return decoded
 
     def __repr__(self) -> str:
         return (
