@@ -254,9 +254,14 @@ class ImageFolder(Dataset):
         try:
             with image_module.open(path) as image:
                 found = image.mode
-                # convert() decodes the whole file (a copy, even to the same mode), so a
-                # truncated image fails here.
-                decoded = image.convert(_expanded(found) if self.mode == "keep" else mode)
+                # Decode the whole file here, so a truncated image fails here; convert()
+                # would copy an image already in the mode asked for, so load() that one.
+                wanted = _expanded(found) if self.mode == "keep" else mode
+                if found == wanted:
+                    image.load()
+                    decoded = image
+                else:
+                    decoded = image.convert(wanted)
         except (OSError, ValueError, SyntaxError, image_module.DecompressionBombError) as error:
             return bad_record(
                 self.bad_records,

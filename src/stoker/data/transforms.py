@@ -359,7 +359,8 @@ class RandomCrop:
         top, left = divmod(
             int(torch.randint((free_h + 1) * (free_w + 1), (), generator=generator)), free_w + 1
         )
-        return x[..., top : top + height, left : left + width]
+        # narrow() is a view, like slicing, without parsing an index expression.
+        return x.narrow(-2, top, height).narrow(-1, left, width)
 
     def __repr__(self) -> str:
         return f"RandomCrop({self.size}, padding={self.padding})"
