@@ -116,13 +116,16 @@ class DecodedImages(Dataset):
     def __init__(self, folder: ImageFolder, *, path: str | os.PathLike[str] | None = None) -> None:
         self.folder = folder
         self.plan = cache_plan(folder.transform)
-        self.root = folder.root  # what the data fingerprint reads
         self.targets = folder.targets
-        self.path = Path(path) if path is not None else None
+        self.cache_dir = Path(path) if path is not None else None
         self._seeds = SampleSeeds(folder.seed)
         self._labels = folder.targets.numpy()
         self.file: Path | None = None
         self.images = self._load()
+
+    def fingerprint_paths(self) -> list[Path]:
+        """The image files' folder: the run's data fingerprint is the folder's, cached or not."""
+        return [self.folder.root]
 
     # ------------------------------------------------------------ building the cache
 
@@ -140,14 +143,14 @@ class DecodedImages(Dataset):
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def _load(self) -> np.ndarray:
-        if self.path is None:
+        if self.cache_dir is None:
             return self._decode_all()
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.file = self.path / f"images-{self._key()}.npy"
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.file = self.cache_dir / f"images-{self._key()}.npy"
         if not self.file.exists():
             images = self._decode_all()
             # Written to a temporary name, then renamed: a reader never sees half a file.
-            handle, temporary = tempfile.mkstemp(dir=self.path, suffix=".npy.part")
+            handle, temporary = tempfile.mkstemp(dir=self.cache_dir, suffix=".npy.part")
             with os.fdopen(handle, "wb") as out:
                 np.save(out, images)
             os.replace(temporary, self.file)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from stoker.data.fingerprint import fingerprint_dataset
 from stoker.data.image_cache import DecodedImages, cache_plan
 from stoker.data.images import ImageFolder
 from stoker.data.transforms import (
@@ -53,6 +54,8 @@ def test_batches_equal_the_per_sample_path_in_every_epoch(tmp_path, on_disk) -> 
         (file,) = (tmp_path / "cache").glob("images-*.npy")
         again = DecodedImages(folder, path=tmp_path / "cache")  # read back, not decoded
         assert again.file == file and isinstance(again.images, np.memmap)
+    # The run's data fingerprint is the image files', not the cache's.
+    assert fingerprint_dataset(cached) == fingerprint_dataset(folder)
 
 
 def test_a_real_resize_is_cached_as_rounded_uint8(tmp_path) -> None:
