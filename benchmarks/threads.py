@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +58,19 @@ def _spin(stop) -> None:  # type: ignore[no-untyped-def]
             x = (x * 31 + 7) % 1_000_003
 
 
+def _torch_default_threads() -> int:
+    """What PyTorch starts with in a fresh process without OMP_NUM_THREADS."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -67,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("OMP_NUM_THREADS", None)
     cores = usable_cores()
-    default_threads = os.cpu_count() or 1  # what PyTorch starts with, unless told otherwise
+    default_threads = _torch_default_threads()
     hogs = args.hogs if args.hogs is not None else cores
     arrays = seed_tabular()
     steps_per_epoch = -(-len(arrays) // 64)
