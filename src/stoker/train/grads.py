@@ -149,7 +149,8 @@ class FiniteCheck:
         grads = [p.grad for p in self._parameters if p.grad is not None]
         if self._join and grads:
             try:
-                total = torch.cat([g.view(-1) for g in grads]).sum()
+                # A 1-d gradient (a bias) joins as it is: a view would be one more dispatch.
+                total = torch.cat([g if g.ndim == 1 else g.view(-1) for g in grads]).sum()
             except RuntimeError:  # a sparse gradient: summed on its own from now on
                 self._join = False
             else:
