@@ -80,3 +80,29 @@ def test_images_of_different_sizes_are_refused(tmp_path) -> None:
     Image.new("RGB", (5, 5)).save(root / "a" / "odd.png")
     with pytest.raises(DataError, match="one size"):
         DecodedImages(ImageFolder(root, transform=Compose([ToTensor()])))
+
+
+def test_fit_with_the_image_cache_trains_the_same_weights(tmp_path) -> None:
+    import stoker
+
+    root = _folder(tmp_path / "images", count=24)
+
+    def run(cache: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
+        stoker.fit(
+            model,
+            ImageFolder(root, transform=AUGMENT, seed=0),
+            epochs=2,
+            batch_size=8,
+            cache=cache,
+            threads=1,
+            progress="quiet",
+            tensorboard=False,
+            run_dir=tmp_path / f"run-{cache}",
+        )
+        return model
+
+    plain, cached = run("none"), run("memory")
+    for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(p, q)
