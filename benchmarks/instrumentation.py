@@ -180,9 +180,9 @@ def whole_train_step(
     """``train_step`` with what ``stoker.fit`` builds by default, on the same model and
     optimizer; ``train_epoch``'s step records are left out (one in 50 steps).
 
-    ``torch_calls``: the optimizer's own ``step()`` and ``zero_grad()`` instead of
-    stoker's direct calls (``stoker.train.optim_calls``), so that the difference is the
-    bookkeeping alone.
+    ``torch_calls``: the optimizer's own ``step()`` and ``zero_grad()`` instead of the
+    loop's (``stoker.train.optim_calls``: the same ``step()``, gradients set to None),
+    so that the difference is the bookkeeping alone.
     """
     loop = Loop(
         model=model,

@@ -120,6 +120,8 @@ def plan(quick: bool) -> dict[str, Plan]:
     return {
         "loader": ("loader.py", common, "loader.json", own_checks, 180, {}),
         "trainer": ("trainer.py", common, "trainer.json", own_checks, 300, {}),
+        "threads": ("threads.py", common, "threads.json", own_checks, 300, {}),
+        "workloads": ("workloads.py", common, "workloads.json", own_checks, 600, {}),
         "instrumentation": (
             "instrumentation.py",
             common,

@@ -120,9 +120,15 @@ class DataConfig(Section):
         ),
     )
     cache: Literal["none", "memory", "disk"] = Field(
-        "none", description="Cache decoded samples so per-sample work happens once."
+        "none",
+        description="Do per-sample work once. `memory`: a deterministic Dataset is read once "
+        "into arrays and served by batched gathers (else each sample is kept as read); an "
+        "image folder is decoded once into uint8 arrays, its crops and flips replayed per "
+        "batch. `disk`: the same kept in files under `cache_path`, for workers and later runs.",
     )
-    cache_path: str | None = Field(None, description="Folder of the disk cache.")
+    cache_path: str | None = Field(
+        None, description="Folder of the disk cache (`.npy` files), reused while the data is."
+    )
     bad_records: Literal["error", "skip"] = Field(
         "error",
         description="`error`: stop at a malformed record; `skip`: log it to bad_records.jsonl.",
@@ -318,6 +324,12 @@ class TrainConfig(Section):
         "auto", description="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    threads: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="PyTorch intra-op threads (torch.set_num_threads). `auto`: the cores this "
+        "process may use, less one per loader worker and the cores other processes keep "
+        "busy at the start, at least 1 (OMP_NUM_THREADS, when set, is kept).",
+    )
     prefetch: bool | Literal["auto"] = Field(
         "auto",
         description="Copy the next batch to the GPU on a side stream during the step "

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from stoker.data.records import BadRecordPolicy, BadSample, bad_record
-from stoker.data.transforms import SharedEpoch, ToTensor, as_transform, sample_generator
+from stoker.data.transforms import SampleSeeds, SharedEpoch, ToTensor, as_transform
 from stoker.errors import ConfigError, DataError
 
 __all__ = ["IMAGE_EXTENSIONS", "IMAGE_MODES", "ImageFolder", "ImageMode", "ImageSurvey"]
@@ -129,6 +129,7 @@ class ImageFolder(Dataset):
         self.transform = transform
         self._transform = ToTensor() if transform is None else as_transform(transform)
         self._epoch = SharedEpoch()
+        self._seeds = SampleSeeds(self.seed)
         self.classes, self.samples = self._scan()
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.targets = torch.tensor([target for _, target in self.samples], dtype=torch.long)
@@ -234,31 +235,45 @@ class ImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor] | BadSample:
+    def __getitem__(self, index: int) -> tuple[Any, int] | BadSample:
+        i = operator.index(index) % len(self.samples)  # ds[-1] is ds[n - 1], augmentation too
+        decoded = self.decode(i)
+        if isinstance(decoded, BadSample):
+            return decoded
+        generator = None if self.transform is None else self._seeds.generator(self.epoch, i)
+        # A plain int label: the collate function makes one tensor of the batch's labels.
+        return self._transform(decoded, generator=generator), self.samples[i][1]
+
+    def decode(self, index: int) -> Any:
+        """The Pillow image of sample ``index`` in ``image_mode``, before any transform
+        (a ``BadSample`` when the file cannot be decoded and ``bad_records`` is skip)."""
         i = operator.index(index)
-        path, target = self.samples[i]
-        i %= len(self.samples)  # ds[-1] is ds[n - 1], augmentation included
+        path = self.samples[i][0]
         image_module = _pillow()
         mode = self.image_mode
         try:
             with image_module.open(path) as image:
                 found = image.mode
-                # convert() decodes the whole file (a copy, even to the same mode), so a
-                # truncated image fails here.
-                decoded = image.convert(_expanded(found) if self.mode == "keep" else mode)
+                # Decode the whole file here, so a truncated image fails here; convert()
+                # would copy an image already in the mode asked for, so load() that one.
+                wanted = _expanded(found) if self.mode == "keep" else mode
+                if found == wanted:
+                    image.load()
+                    decoded = image
+                else:
+                    decoded = image.convert(wanted)
         except (OSError, ValueError, SyntaxError, image_module.DecompressionBombError) as error:
             return bad_record(
                 self.bad_records,
                 source=path,
-                location=f"index {i}",
+                location=f"index {i % len(self.samples)}",
                 reason=f"cannot decode image: {type(error).__name__}: {error}",
             )
         if decoded.mode != mode:  # only under keep: a file unlike the first ones
             raise self._mixed_modes(path, decoded.mode, self._keep_source, mode)
         if self.mode is None and _expanded(found) != mode:
             self._note_conversion(path, found)
-        generator = None if self.transform is None else sample_generator(self.seed, self.epoch, i)
-        return self._transform(decoded, generator=generator), torch.tensor(target)
+        return decoded
 
     def __repr__(self) -> str:
         return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from stoker.data.records import BadSample
-from stoker.data.samplers import epoch_seed
+from stoker.data.samplers import _MASK64, _splitmix64, epoch_seed
 from stoker.data.sources import dataset_targets
 from stoker.errors import ConfigError, DataError
 
@@ -25,6 +26,7 @@ __all__ = [
     "RandomNoise",
     "ReproducibleTransformDataset",
     "Resize",
+    "SampleSeeds",
     "SharedEpoch",
     "ToTensor",
     "Transform",
@@ -65,6 +67,49 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """
     mixed = epoch_seed(epoch_seed(seed, epoch, stream=_AUGMENT_STREAM), index)
     return torch.Generator().manual_seed(mixed)
+
+
+class SampleSeeds:
+    """:func:`sample_generator` for one dataset, at a fraction of its cost per sample.
+
+    The same generator states: the seed and epoch are mixed once per epoch rather than
+    per sample (two of SplitMix64's four rounds), and one ``torch.Generator`` per thread
+    is re-seeded rather than a new one built for every sample (building one costs more
+    than the crop and flip it drives). A transform must use the generator it is given
+    within its call, as every stoker transform does.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._epoch: int | None = None
+        self._mixed = 0
+        self._local = threading.local()
+
+    def epoch_base(self, epoch: int) -> int:
+        """The part of every sample's seed that the epoch fixes (cached)."""
+        if epoch != self._epoch:
+            base = epoch_seed(self.seed, epoch, stream=_AUGMENT_STREAM)
+            self._mixed = _splitmix64(base & _MASK64)
+            self._epoch = epoch
+        return self._mixed
+
+    def seed_of(self, epoch: int, index: int) -> int:
+        """The seed :func:`sample_generator` gives ``(seed, epoch, index)``."""
+        x = _splitmix64(self.epoch_base(epoch) ^ (index & _MASK64))
+        return _splitmix64(x) & ((1 << 63) - 1)  # epoch_seed's stream 0: x ^ 0 is x
+
+    def generator(self, epoch: int, index: int) -> torch.Generator:
+        """The sample's generator, in the state ``sample_generator`` would give it."""
+        generator = getattr(self._local, "generator", None)
+        if generator is None:
+            generator = self._local.generator = torch.Generator()
+        return generator.manual_seed(self.seed_of(epoch, index))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"seed": self.seed}  # generators and thread slots stay in their process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["seed"])  # type: ignore[misc]
 
 
 def _takes_generator(transform: Callable[..., Any]) -> bool:
@@ -174,11 +219,15 @@ class Compose:
         return f"Compose({self.transforms!r})"
 
 
+_SCALES = {"u1": 255.0, "u2": 65535.0}  # numpy dtype codes (no byte order) -> full scale
+
+
 class ToTensor:
     """A Pillow image or an H×W(×C) array → a float32 C×H×W tensor in [0, 1]."""
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
-        array = np.array(x)  # a copy: Pillow's buffer is read-only
+        # A Pillow image hands numpy a read-only copy of its pixels: no second copy here.
+        array = np.asarray(x)
         if array.ndim == 2:
             array = array[:, :, None]
         if array.ndim != 3:
@@ -186,17 +235,16 @@ class ToTensor:
                 f"ToTensor got an array of shape {array.shape}; expected H×W or H×W×C.",
                 hint="pass a Pillow image or a numpy array with channels last",
             )
-        tensor = torch.from_numpy(array).permute(2, 0, 1).contiguous()
-        if array.dtype == np.uint8:
-            return tensor.float().div_(255.0)
-        if array.dtype == np.uint16:
-            return tensor.float().div_(65535.0)
-        if array.dtype.kind in "fb":
-            return tensor.float()
-        raise DataError(
-            f"ToTensor got pixels of dtype {array.dtype}; expected uint8, uint16 or float.",
-            hint="convert the image first, e.g. image.convert('RGB')",
-        )
+        scale = _SCALES.get(array.dtype.str[1:])
+        if scale is None and array.dtype.kind not in "fb":
+            raise DataError(
+                f"ToTensor got pixels of dtype {array.dtype}; expected uint8, uint16 or float.",
+                hint="convert the image first, e.g. image.convert('RGB')",
+            )
+        # One pass turns channels-last into C×H×W and converts to float32 (a new,
+        # writable array); the division then works in place.
+        tensor = torch.from_numpy(array.transpose(2, 0, 1).astype(np.float32, order="C"))
+        return tensor.div_(scale) if scale is not None else tensor
 
     def __repr__(self) -> str:
         return "ToTensor()"
@@ -307,9 +355,12 @@ class RandomCrop:
                 f"{tuple(x.shape[-2:])}.",
                 hint="Resize the image first, or crop a smaller size",
             )
-        top = int(torch.randint(free_h + 1, (), generator=generator))
-        left = int(torch.randint(free_w + 1, (), generator=generator))
-        return x[..., top : top + height, left : left + width]
+        # One draw picks the window among all (free_h + 1) * (free_w + 1) positions.
+        top, left = divmod(
+            int(torch.randint((free_h + 1) * (free_w + 1), (), generator=generator)), free_w + 1
+        )
+        # narrow() is a view, like slicing, without parsing an index expression.
+        return x.narrow(-2, top, height).narrow(-1, left, width)
 
     def __repr__(self) -> str:
         return f"RandomCrop({self.size}, padding={self.padding})"
@@ -412,6 +463,7 @@ class ReproducibleTransformDataset(Dataset):
         self.seed = int(seed)
         self._transform = as_transform(transform)
         self._epoch = SharedEpoch()
+        self._seeds = SampleSeeds(self.seed)
 
     @property
     def epoch(self) -> int:
@@ -438,7 +490,7 @@ class ReproducibleTransformDataset(Dataset):
         sample = self.dataset[index]
         if isinstance(sample, BadSample):
             return sample
-        generator = sample_generator(self.seed, self._epoch.value, index)
+        generator = self._seeds.generator(self._epoch.value, index)
         if not isinstance(sample, tuple | list):
             return self._transform(sample, generator=generator)
         first = self._transform(sample[0], generator=generator)

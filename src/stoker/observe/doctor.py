@@ -442,10 +442,12 @@ def diagnose(m: Measurements) -> Diagnosis:
                     f"at a time, while compute needs {1e6 / compute:.1f} µs{workers_note}"
                 ),
                 recommendation=(
-                    "fetch whole batches: give the dataset a __getitems__(indices) that "
-                    "returns one batch (returns_batches = True), or keep the data in a "
-                    "stoker ArrayDataset; raise loader.batch_size to amortize per-batch "
-                    "costs; do NOT add workers: they add inter-process copies to cheap samples"
+                    "fetch whole batches: set data.cache=memory (a deterministic dataset is "
+                    "read once into arrays and served a batch at a time, no code change), give "
+                    "the dataset a __getitems__(indices) that returns one batch "
+                    "(returns_batches = True), or keep the data in a stoker ArrayDataset; "
+                    "raise loader.batch_size to amortize per-batch costs; do NOT add workers: "
+                    "they add inter-process copies to cheap samples"
                 ),
                 recommended_loader={},
                 expected_gain=gain(compute),
@@ -479,7 +481,9 @@ def diagnose(m: Measurements) -> Diagnosis:
                     "samples once (decoded arrays on disk or in memory)"
                 )
         if not m.returns_batches and fetch is not None:
-            fixes.append("fetch whole batches (__getitems__ or a stoker ArrayDataset)")
+            fixes.append(
+                "fetch whole batches (data.cache=memory, __getitems__ or a stoker ArrayDataset)"
+            )
         elif fetch is None:
             fixes.append("yield whole batches from the stream instead of single samples")
         fixes.append("run `stoker tune` to search prefetch and persistent workers too")

@@ -37,29 +37,15 @@ def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor, as float32 tensors on its device (no sync).
 
-    One fused kernel per (device, dtype) group with ``torch._foreach_norm``, instead of one
-    kernel per tensor; half-precision tensors are reduced in float32 so a large norm does
-    not overflow to inf.
+    ``torch.linalg.vector_norm`` per tensor (one kernel each, on sampled steps only);
+    half-precision tensors are reduced in float32 so a large norm does not overflow to inf.
     """
-    norms: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for index, tensor in enumerate(tensors):
-        if tensor.is_sparse:
-            values = tensor.coalesce().values()
-            norms[index] = torch.linalg.vector_norm(values, dtype=torch.float32)
-        else:
-            groups[(tensor.device, tensor.dtype)].append(index)
-    foreach_norm = getattr(torch, "_foreach_norm", None)
-    for (_, dtype), indices in groups.items():
-        group = [tensors[index] for index in indices]
-        reduce_as = torch.float32 if dtype in _LOW_PRECISION else None
-        if foreach_norm is not None:
-            results = foreach_norm(group, 2, dtype=reduce_as)
-        else:
-            results = [torch.linalg.vector_norm(tensor, dtype=reduce_as) for tensor in group]
-        for index, norm in zip(indices, results, strict=True):
-            norms[index] = norm.float()
-    return [norm for norm in norms if norm is not None]
+    norms: list[torch.Tensor] = []
+    for tensor in tensors:
+        values = tensor.coalesce().values() if tensor.is_sparse else tensor
+        reduce_as = torch.float32 if values.dtype in _LOW_PRECISION else None
+        norms.append(torch.linalg.vector_norm(values, dtype=reduce_as).float())
+    return norms
 
 
 def layer_grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:

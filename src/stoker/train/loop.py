@@ -122,7 +122,7 @@ class Loop:
     #: ``train.metrics``: computed on the validation (and test) data, not per step.
     metrics: Metrics = NO_METRICS
     #: ``optimizer.step()`` and ``zero_grad()`` as the loop makes them: through the scaler
-    #: when scaling (fp16), else without torch.optim's Python when provably the same.
+    #: when scaling (fp16), else ``optimizer.step()`` (public calls only, see optim_calls).
     optimizer_calls: OptimizerCalls = field(init=False, repr=False)
     #: The user's callbacks (``stoker.train.callbacks``); none: each hook is a no-op.
     callbacks: Callbacks = field(default_factory=Callbacks)

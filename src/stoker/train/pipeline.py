@@ -17,7 +17,10 @@ from torch.utils.data import Dataset, IterableDataset
 from stoker import components
 from stoker.config import RunConfig
 from stoker.data.cache import CachedDataset
+from stoker.data.cache_arrays import materialize
 from stoker.data.device import resolve_device
+from stoker.data.image_cache import DecodedImages
+from stoker.data.images import ImageFolder
 from stoker.data.loader import EpochLoader, build_loader
 from stoker.distributed.sharding import rank_share
 from stoker.errors import ConfigError
@@ -135,6 +138,10 @@ def _cached(config: RunConfig, dataset: Dataset) -> Dataset:
             "data.cache=disk needs a folder for the cache",
             hint="set data.cache_path=/fast/disk/cache-<name>",
         )
+    if isinstance(dataset, ImageFolder):  # decoded once; crops and flips replayed per batch
+        return DecodedImages(dataset, path=data.cache_path if data.cache == "disk" else None)
+    if data.cache == "memory" and (arrays := materialize(dataset)) is not None:
+        return arrays  # deterministic samples, read once into arrays: batched gathers
     cached = CachedDataset(dataset, mode=data.cache, path=data.cache_path)
     if data.cache == "memory" and config.loader.num_workers > 0:
         # Fill it before the workers fork, so they share it instead of each filling a copy.

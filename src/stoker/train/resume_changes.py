@@ -81,6 +81,7 @@ POLICY: dict[tuple[str, ...], tuple[Decision, str]] = {
     ("train", "device"): ("refused", "changes the arithmetic of each step"),
     ("train", "compile"): ("refused", "changes the arithmetic of each step"),
     ("train", "prefetch"): ("applied", "the same batches, copied another way"),
+    ("train", "threads"): ("applied", "how many cores compute each step"),
     ("train", "task"): ("applied", "which metrics are computed"),
     ("train", "metrics"): ("applied", "which metrics are computed"),
     ("train", "step_fn"): ("refused", "changes the loss being minimized"),

@@ -63,6 +63,7 @@ from stoker.train.resume import (
 from stoker.train.rundir import create_run_dir, resume_command
 from stoker.train.state import TrainState, seed_everything
 from stoker.train.test_split import TestSplit
+from stoker.train.threads import loader_workers, use_threads
 
 logger = logging.getLogger("stoker")
 
@@ -364,8 +365,12 @@ def _train_run(
         loop.numerics.load_state_dict(bundle.get("numerics"))
     loop.no_sync = dist.no_sync(wrapped) or contextlib.nullcontext  # no DDP: nothing to hold
     loop.agree_finite = dist.agree_finite()
+    threads = use_threads(config.train.threads, num_workers=loader_workers(train_loader))
     if dist.is_main:
-        write_text(run_dir / "environment.json", json.dumps(environment(), indent=2))
+        write_text(
+            run_dir / "environment.json",
+            json.dumps({**environment(), **threads.record()}, indent=2),
+        )
     try:
         with stop_on_signals(loop.stop), explain_collective_failure(dist, "a training step"):
             run(loop)
@@ -380,6 +385,7 @@ def _train_run(
         )
         raise
     finally:
+        threads.restore()
         sink.close()
         if checkpointer is not None:
             checkpointer.close()

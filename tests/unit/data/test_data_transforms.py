@@ -154,3 +154,42 @@ def test_augmentation_identical_across_worker_counts() -> None:
             for ea, eb in zip(main, workers, strict=True)
             for a, b in zip(ea, eb, strict=True)
         )
+
+
+def test_sample_seeds_give_sample_generator_states_for_any_epoch_order() -> None:
+    import pickle
+
+    from stoker.data.transforms import SampleSeeds
+
+    seeds = SampleSeeds(7)
+    for epoch, index in [(0, 0), (0, 5), (3, 5), (0, 2**40), (3, 1)]:
+        expected = torch.rand(3, generator=sample_generator(7, epoch, index))
+        assert torch.equal(torch.rand(3, generator=seeds.generator(epoch, index)), expected)
+    copy = pickle.loads(pickle.dumps(seeds))  # to a worker process: no generator travels
+    assert torch.equal(
+        torch.rand(3, generator=copy.generator(2, 9)),
+        torch.rand(3, generator=sample_generator(7, 2, 9)),
+    )
+
+
+def test_random_crop_reaches_every_window_with_one_draw() -> None:
+    image = torch.arange(16.0).reshape(1, 4, 4)
+    corners = {
+        tuple(RandomCrop(2)(image, generator=sample_generator(0, 0, i))[0, 0].tolist())
+        for i in range(200)
+    }
+    assert len(corners) == 9  # all 3 x 3 positions of a 2x2 window in 4x4
+
+
+def test_to_tensor_matches_a_plain_conversion_bit_for_bit() -> None:
+    import numpy as np
+    from PIL import Image
+
+    from stoker.data.transforms import ToTensor
+
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    out = ToTensor()(Image.fromarray(pixels))
+    expected = torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 255.0
+    assert out.is_contiguous() and torch.equal(out, expected)
+    gray = ToTensor()(np.array([[0, 65535]], dtype=np.uint16))
+    assert gray.shape == (1, 1, 2) and gray.tolist() == [[[0.0, 1.0]]]

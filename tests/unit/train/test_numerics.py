@@ -146,3 +146,15 @@ def test_finite_check_on_cuda_reads_once_and_finds_each_kind(dtype) -> None:
     assert check(torch.tensor(0.5, device=cuda)) == (True, True)
     assert check(torch.tensor(float("inf"), device=cuda)) == (False, True)
     assert torch.equal(params[0].grad, torch.ones_like(params[0].grad))
+
+
+def test_finite_check_joins_matrices_and_vectors_of_one_group() -> None:
+    params = _with_grads(torch.randn(3, 4), torch.randn(3), torch.randn(2, 3).t())  # strided
+    check = FiniteCheck(params)
+    assert check(torch.tensor(0.5)) == (True, True)
+    params[2].grad[1, 0] = float("-inf")
+    assert check(torch.tensor(0.5)) == (True, False)
+    params[2].grad[1, 0] = 0.0
+    params[0].grad[2, 3] = 3e38  # finite, but the sum overflows: looked at element-wise
+    params[1].grad[0] = 3e38
+    assert check(torch.tensor(0.5)) == (True, True)
