@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import logging
 import math
 import time
@@ -18,17 +19,18 @@ import yaml
 from stoker.config import LoaderConfig, RunConfig, load_yaml, validate_config
 from stoker.data.loader_fast import serves_in_process
 from stoker.errors import ConfigError
+from stoker.observe.short_run import (
+    PipelineFigures,
+    measure_pipeline,
+    warmup_steps,
+)
 from stoker.observe.stages import (
     PerSampleView,
-    PipelineFigures,
     burst_size,
     copy_to,
-    first_batch,
     loader_overrides,
-    measure_compute,
+    measure_fetch,
     measure_loader,
-    measure_pipeline,
-    planned_pipeline_steps,
     usable_cores,
     warmup_batches,
     worker_counts,
@@ -274,6 +276,7 @@ def search_space(
     batched: bool,
     batch_sizes: Sequence[int] = (),
     max_workers: int = 16,
+    cpu_share: float | None = None,
 ) -> list[Candidate]:
     """Every combination the tuner tries, the baseline (current settings) included.
 
@@ -284,8 +287,9 @@ def search_space(
         batched: Whether the dataset fetches whole batches (per-sample is then tried too).
         batch_sizes: Batch sizes to try besides the configured one.
         max_workers: Cap of the worker counts (besides the configured one).
+        cpu_share: The fetch's CPU share: below one half, worker counts go past the cores.
     """
-    workers = worker_counts(cores, baseline.num_workers, cap=max_workers)
+    workers = worker_counts(cores, baseline.num_workers, cap=max_workers, cpu_share=cpu_share)
     prefetches = sorted({None, 4, baseline.prefetch_factor}, key=lambda p: p or 2)
     pins = (False, True) if cuda else (baseline.pin_memory,)
     fetches = (False, True) if batched else (False,)
@@ -335,6 +339,8 @@ class LoaderMeasure:
                 warmup_batches=warmup_batches(candidate.num_workers, candidate.prefetch_factor),
                 burst=burst_size(candidate.num_workers, candidate.prefetch_factor),
                 consume=copy_to(pipeline.device),
+                # Warm-up and bursts included, a candidate costs at most twice its share.
+                max_s=2 * seconds + 0.05,
             )
         return rate.samples_per_s
 
@@ -375,13 +381,25 @@ class TuneResult:
     baseline_pipeline: PipelineFigures | None = None
     winner_pipeline: PipelineFigures | None = None
     rejected: bool = False
+    epochs: int = 1
+    confirmed: dict[Candidate, float] = dataclasses.field(default_factory=dict)
 
     @property
     def pipeline_gain(self) -> float | None:
+        """The speed-up a real run of the configured epochs shows with the winner: both
+        short runs' rates over whole epochs, each epoch's start-up paid as a run pays it."""
         if self.baseline_pipeline is None or self.winner_pipeline is None:
             return None
-        base = self.baseline_pipeline.steady_samples_per_s
-        return self.winner_pipeline.steady_samples_per_s / base if base > 0 else None
+        base = self.baseline_pipeline.run_rate(self.epochs)
+        return self.winner_pipeline.run_rate(self.epochs) / base if base > 0 else None
+
+    @property
+    def predicted_gain(self) -> float | None:
+        """What ``stoker tune`` predicts for training with ``settings``: the confirmed
+        pipeline gain, 1.0 when nothing changes, None when nothing was confirmed."""
+        if not self.settings:
+            return 1.0
+        return self.pipeline_gain
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data: the table rows, the winner, the settings and the confirmation."""
@@ -408,6 +426,8 @@ class TuneResult:
             "final_s": self.final_s,
             "measured_s": self.halving.spent_s,
             "pipeline_gain": self.pipeline_gain,
+            "predicted_gain": self.predicted_gain,
+            "epochs": self.epochs,
             "baseline_pipeline": _asdict(self.baseline_pipeline),
             "winner_pipeline": _asdict(self.winner_pipeline),
             "candidates": rows,
@@ -445,17 +465,24 @@ def tune(
 ) -> TuneResult:
     """Search the loader settings of ``config`` within about ``budget_s`` seconds.
 
+    About 45% of the budget goes to successive halving over the loader alone (cheap:
+    no model), which ranks the candidates; the rest to short training runs of the whole
+    pipeline, the configured settings and the best few candidates, which pick the
+    winner. Its predicted speed-up is the one those runs show over whole epochs.
+
     Args:
         config: The run config.
-        budget_s: Total time to spend (search plus the confirming training runs).
-        batch_size: Also search the batch size (half, same, double, quadruple). It
-            changes optimization, not only speed, so it is off unless asked for.
-        confirm: Confirm the winner against the configured settings with two short
-            training runs; a winner that trains slower than the baseline is rejected.
+        budget_s: Total time to spend, building the pipeline, search and confirming runs.
+        batch_size: Also search the batch size (half, double, quadruple). It changes the
+            optimisation, not only speed, so it is off unless asked for, and a winner
+            with another batch size comes with a note on scaling the learning rate.
+        confirm: Pick the winner by short training runs (off: the fastest loader alone,
+            with no predicted gain).
         user: Python objects in place of config names.
         max_workers: Cap of the worker counts tried (besides the configured one).
         say: Called with a line before each phase (progress for people).
     """
+    started = time.perf_counter()
     say = say or (lambda line: logger.debug(line))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_WORKER_WARNING)
@@ -487,6 +514,9 @@ def tune(
     if batch_size:
         base = loader_cfg.batch_size
         sizes = sorted({max(1, base // 2), base * 2, base * 4} - {base})
+    fetch = measure_fetch(
+        pipeline.train_data, batch_size=loader_cfg.batch_size, collate_fn=None, seconds=0.1
+    )
     space = search_space(
         cores=usable_cores(),
         baseline=baseline,
@@ -494,6 +524,7 @@ def tune(
         batched=batched,
         batch_sizes=sizes,
         max_workers=max_workers,
+        cpu_share=fetch.cpu_share if fetch is not None else None,
     )
     if serves_in_process(pipeline.train_data, batched=batched):
         # Every worker count would measure the same in-process loader (build_loader
@@ -504,78 +535,131 @@ def tune(
             "loader's note): worker counts, prefetch_factor and persistent_workers are "
             "not searched, and num_workers is set to 0"
         )
-    search_budget = budget_s * (0.7 if confirm else 1.0)
+    left_s = budget_s - (time.perf_counter() - started)
+    search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
     # Each measurement also pays start-up and warm-up (0.1 s to seconds with many
     # workers); successive halving takes about 1.35 measurements per candidate, and
     # shortens its later rounds when they would overrun.
     overhead_s = 0.3 * 1.35 * len(space)
-    final_s = max(0.5, (search_budget - overhead_s) / halving_cost(len(space)))
+    final_s = max(0.2, (search_budget - overhead_s) / halving_cost(len(space)))
     say(f"{len(space)} candidates, successive halving, {final_s:.1f} s each in the last round")
     measure = LoaderMeasure(config, pipeline)
-    started = time.perf_counter()
+    search_started = time.perf_counter()
     halving = successive_halving(space, measure, final_s=final_s, deadline_s=search_budget)
-    search_s = time.perf_counter() - started
+    search_s = time.perf_counter() - search_started
     winner = halving.winner
-    if winner.per_sample:
-        notes.append("per-sample fetch measured faster than batched fetch for this dataset")
-
-    baseline_run = winner_run = None
-    rejected = False
-    if confirm and winner != baseline:
-        left_s = budget_s - (time.perf_counter() - started)
-        confirm_s = max(0.5, left_s / 3)
-        say(f"confirming: two short training runs of about {confirm_s:.1f} s")
-        batch = first_batch(config, pipeline)
-        compute = measure_compute(
-            model, batch, pipeline.loss_fn, config=config, device=device, seconds=confirm_s / 4
-        ).samples_per_s
-        runs = []
-        for candidate in (baseline, winner):
-            measured = halving.last_trial(candidate)
-            loader_rate = measured.samples_per_s if measured else compute
-            run_config = config_with(config, candidate)
-            data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-                steps = planned_pipeline_steps(
-                    run_config,
-                    pipeline,
-                    model,
-                    seconds=confirm_s,
-                    expected_samples_per_s=min(loader_rate, compute),
-                    dataset=data,
-                )
-                runs.append(
-                    measure_pipeline(
-                        run_config,
-                        pipeline,
-                        model,
-                        steps=steps,
-                        dataset=data,
-                    )
-                )
-        baseline_run, winner_run = runs
-        base_rate, win_rate = baseline_run.steady_samples_per_s, winner_run.steady_samples_per_s
-        if win_rate < 0.95 * base_rate:
-            rejected = True
-            notes.append(
-                f"rejected: the winner's loader is faster alone, but training with it ran "
-                f"{win_rate:,.0f} samples/s vs {base_rate:,.0f} with the current settings "
-                "(compute sets the pace, or the workers take its CPU)"
-            )
-    settings = {} if rejected else _settings(config, baseline, winner, cuda=cuda)
-    return TuneResult(
+    result = TuneResult(
         baseline=baseline,
         winner=winner,
         halving=halving,
-        settings=settings,
-        notes=tuple(notes),
+        settings={},
+        notes=(),
         search_s=search_s,
         final_s=final_s,
-        baseline_pipeline=baseline_run,
-        winner_pipeline=winner_run,
-        rejected=rejected,
+        epochs=config.train.epochs,
     )
+    if confirm:
+        deadline = started + budget_s
+        result = confirm_by_training(result, config, pipeline, model, deadline=deadline, say=say)
+        winner = result.winner
+    if winner.per_sample:
+        notes.append("per-sample fetch measured faster than batched fetch for this dataset")
+    settings = {} if result.rejected else _settings(config, baseline, winner, cuda=cuda)
+    if "batch_size" in settings:
+        old, new = loader_cfg.batch_size, settings["batch_size"]
+        notes.append(
+            f"loader.batch_size {old} -> {new} changes the optimisation, not only the speed: "
+            f"each step averages {new} samples and there are {old / new:.2g}x as many steps "
+            f"per epoch; scale the learning rate with it (linear scaling: optim.lr="
+            f"{config.optim.lr * new / old:.3g}) and compare the loss curves"
+        )
+    return dataclasses.replace(result, settings=settings, notes=(*notes, *result.notes))
+
+
+#: The share of the budget (after building the pipeline) successive halving gets.
+SEARCH_SHARE = 0.45
+#: Candidates besides the configured settings confirmed by short training runs.
+CONFIRMED = 3
+
+
+def confirm_by_training(
+    result: TuneResult,
+    config: RunConfig,
+    pipeline: Pipeline,
+    model: Any,
+    *,
+    deadline: float,
+    say: Callable[[str], None],
+) -> TuneResult:
+    """Short training runs of the configured settings and the best few candidates
+    (by the loader alone), sized to end by ``deadline``; the fastest run wins, and a
+    winner that is not more than 5% faster than the configured settings is rejected."""
+    halving = result.halving
+    ranked = sorted(
+        (c for c in dict.fromkeys(t.candidate for t in halving.trials) if c != result.baseline),
+        key=lambda c: (-(halving.last_trial(c).samples_per_s), c.cost()),  # type: ignore[union-attr]
+    )
+    shortlist = list(dict.fromkeys([result.winner, *ranked]))[:CONFIRMED]
+    shortlist = [c for c in shortlist if c != result.baseline]
+    runs: dict[Candidate, PipelineFigures] = {}
+    order = [result.baseline, *shortlist]
+    say(f"confirming: {len(order)} short training runs")
+    # A first, shortest run of the configured settings times a step of the whole
+    # pipeline (the loader alone does not see compute); every run is sized by it.
+    least = warmup_steps(config) + 4
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+        calibration = measure_pipeline(config, pipeline, model, steps=least)
+    per_step_s = calibration.wall_s / max(calibration.steps, 1)
+    for index, candidate in enumerate(order):
+        left = deadline - time.perf_counter()
+        # What is left, shared by the runs still to go; each run also pays its set-up.
+        seconds = left / (len(order) - index) - RUN_OVERHEAD_S
+        run_config = config_with(config, candidate)
+        fewest = warmup_steps(run_config) + 4
+        if seconds < fewest * per_step_s and index > 0:
+            break
+        data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
+        scale = candidate_scale(run_config, config)
+        steps = max(fewest, int(seconds / (per_step_s * scale)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            runs[candidate] = measure_pipeline(
+                run_config, pipeline, model, steps=steps, dataset=data
+            )
+        if candidate == result.baseline:
+            per_step_s = runs[candidate].wall_s / max(runs[candidate].steps, 1)
+    base = runs[result.baseline]
+    epochs = result.epochs
+    rates = {c: f.run_rate(epochs) for c, f in runs.items()}
+    best = max(rates, key=lambda c: (rates[c], -sum(map(float, c.cost()[:1]))))
+    notes: list[str] = []
+    rejected = best == result.baseline or rates[best] <= 1.05 * rates[result.baseline]
+    if rejected and best != result.baseline:
+        notes.append(
+            f"no change: the best candidate trained at {rates[best]:,.0f} samples/s vs "
+            f"{rates[result.baseline]:,.0f} with the current settings (not 5% faster)"
+        )
+    elif rejected:
+        notes.append("no change: the current settings trained fastest")
+    return dataclasses.replace(
+        result,
+        winner=best if not rejected else result.winner,
+        baseline_pipeline=base,
+        winner_pipeline=runs[best],
+        rejected=rejected,
+        notes=tuple(notes),
+        confirmed={c: rates[c] / rates[result.baseline] for c in runs},
+    )
+
+
+#: Seconds a short training run pays besides its steps (building the loop, run dir).
+RUN_OVERHEAD_S = 0.3
+
+
+def candidate_scale(candidate_config: RunConfig, config: RunConfig) -> float:
+    """A step's cost relative to the configured one (by batch size)."""
+    return candidate_config.loader.batch_size / config.loader.batch_size
 
 
 # --- writing the winner into the config ------------------------------------------------
@@ -584,19 +668,27 @@ def tune(
 def write_loader_settings(
     path: str | Path, settings: Mapping[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
-    """Set ``loader.<key>`` in the YAML file at ``path``; every other key stays as loaded.
+    """Set ``loader.<key>`` in the YAML file at ``path``; everything else stays as written.
 
-    The file is rewritten with ``yaml.safe_dump`` (comments are not kept), and only
-    after the result validates as a run config.
+    The file is edited as a round trip (ruamel.yaml): comments, key order, quoting and
+    flow or block style are kept, and a new key is added in the style of its section.
+    It is written only after the result validates as a run config.
 
     Returns:
         ``{key: (old, new)}`` for each key that changed (old is the default when absent).
     """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap
+
     path = Path(path)
-    raw = load_yaml(path)
-    loader = raw.get("loader")
+    load_yaml(path)  # the errors for people: a missing file, bad YAML, not a mapping
+    editor = YAML()  # round-trip mode
+    editor.preserve_quotes = True
+    editor.width = 4096  # never fold a long line the user wrote on one
+    document = editor.load(path.read_text())
+    loader = document.get("loader")
     if loader is None:
-        loader = {}
+        loader = CommentedMap()
     if not isinstance(loader, dict):
         raise ConfigError(f"{path}: `loader` is a {type(loader).__name__}, not a section")
     defaults = LoaderConfig().model_dump()
@@ -610,7 +702,10 @@ def write_loader_settings(
             changes[key] = (old, value)
     if not changes:
         return changes
-    raw["loader"] = loader
-    validate_config(raw, source=str(path))
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    document["loader"] = loader
+    buffer = io.StringIO()
+    editor.dump(document, buffer)
+    text = buffer.getvalue()
+    validate_config(yaml.safe_load(text), source=str(path))
+    path.write_text(text)
     return changes
