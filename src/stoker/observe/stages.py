@@ -229,12 +229,12 @@ def measure_loader(
     first_batch_s = None
     iterator: Iterator[Any] = iter(loader)
     try:
-        taken = empty_passes = 0
+        taken = empty_passes = warm_samples = 0
         while taken < max(1, warmup_batches):
             if taken and max_s is not None and time.perf_counter() - started >= 0.5 * max_s:
                 break
             try:
-                next(iterator)
+                batch = next(iterator)
             except StopIteration:
                 empty_passes += 1 if taken == 0 else 0
                 if empty_passes > 1:
@@ -244,6 +244,7 @@ def measure_loader(
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
             taken += 1
+            warm_samples += samples_in(batch)
         start = time.perf_counter()
         warmup_s = start - started
         arrivals: list[tuple[float, int]] = []
@@ -267,6 +268,12 @@ def measure_loader(
             if elapsed >= 3 * seconds + 2 and len(arrivals) >= 1:
                 break
             if max_s is not None and now - started >= max_s and len(arrivals) >= 1:
+                if len(arrivals) < min_batches:
+                    # Cut short within a burst of prefetched batches: only the whole span,
+                    # start-up included, is a rate (a low one, never a burst's).
+                    samples = warm_samples + sum(n for _, n in arrivals)
+                    whole = samples / (now - started)
+                    return Rate(whole, (whole,), now - start, warmup_s, len(arrivals), 0.0)
                 break
         groups = max(1, min(repeats, len(arrivals) // burst))
         rate = grouped_rate(arrivals, start=start, repeats=groups, warmup_s=warmup_s)

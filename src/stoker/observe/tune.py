@@ -181,7 +181,9 @@ def successive_halving(
             cheapest (fewest workers, defaults) wins.
         deadline_s: Wall-clock budget. After each round the later rounds' measurements
             are shortened (to no less than a tenth) when, at the per-measurement
-            overhead seen so far (start-up, warm-up), they would not fit.
+            overhead seen so far (start-up, warm-up), they would not fit; once it has
+            passed, the candidates not yet measured are dropped (so list the likeliest
+            first).
         clock: The wall clock (a fake one in tests).
     """
     if not candidates:
@@ -196,9 +198,13 @@ def successive_halving(
         seconds = scale * final_s / eta ** (rounds - 1 - round_index)
         rates = {}
         for candidate in alive:
+            if rates and deadline_s is not None and clock() - started >= deadline_s:
+                abandoned[candidate] = round_index  # out of time: never measured this round
+                continue
             rates[candidate] = measure(candidate, seconds)
             spent += seconds
             trials.append(Trial(candidate, round_index, seconds, rates[candidate]))
+        alive = [c for c in alive if c in rates]
         if round_index == rounds - 1 or len(alive) == 1:
             break
         best = max(rates.values())
@@ -295,16 +301,20 @@ def search_space(
     fetches = (False, True) if batched else (False,)
     sizes: Sequence[int | None] = (None, *batch_sizes)
     space = [baseline]
-    for count in workers:
-        knobs = (
-            [(p, persist) for p in prefetches for persist in (False, True)]
-            if count
-            else [(None, False)]
-        )
-        for (prefetch, persist), pin, per_sample, size in (
-            (k, pin, f, s) for k in knobs for pin in pins for f in fetches for s in sizes
-        ):
-            space.append(Candidate(count, prefetch, persist, pin, per_sample, size))
+    knobs = [(p, persist) for p in prefetches for persist in (False, True)]
+    # Worker counts first, at the default knobs: under a tight budget they are the lever
+    # that matters most, and the last candidates are the ones a deadline drops.
+    for (prefetch, persist), pin, per_sample, size, count in (
+        (k, pin, f, s, w)
+        for k in knobs
+        for pin in pins
+        for f in fetches
+        for s in sizes
+        for w in workers
+    ):
+        if count == 0:
+            prefetch, persist = None, False
+        space.append(Candidate(count, prefetch, persist, pin, per_sample, size))
     return list(dict.fromkeys(space))
 
 
@@ -535,6 +545,14 @@ def tune(
             "loader's note): worker counts, prefetch_factor and persistent_workers are "
             "not searched, and num_workers is set to 0"
         )
+    calibration = None
+    if confirm:
+        # The shortest run of the configured settings first: it times a step of the whole
+        # pipeline (the loader alone does not see compute), which sizes everything after.
+        say("timing a training step of the configured settings")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            calibration = measure_pipeline(config, pipeline, model, steps=warmup_steps(config) + 4)
     left_s = budget_s - (time.perf_counter() - started)
     search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
     # Each measurement also pays start-up and warm-up (0.1 s to seconds with many
@@ -559,8 +577,11 @@ def tune(
         epochs=config.train.epochs,
     )
     if confirm:
-        deadline = started + budget_s
-        result = confirm_by_training(result, config, pipeline, model, deadline=deadline, say=say)
+        deadline = started + 0.95 * budget_s  # a margin: a run can end a little late
+        assert calibration is not None
+        result = confirm_by_training(
+            result, config, pipeline, model, calibration, deadline=deadline, say=say
+        )
         winner = result.winner
     if winner.per_sample:
         notes.append("per-sample fetch measured faster than batched fetch for this dataset")
@@ -587,6 +608,7 @@ def confirm_by_training(
     config: RunConfig,
     pipeline: Pipeline,
     model: Any,
+    calibration: PipelineFigures,
     *,
     deadline: float,
     say: Callable[[str], None],
@@ -604,21 +626,19 @@ def confirm_by_training(
     runs: dict[Candidate, PipelineFigures] = {}
     order = [result.baseline, *shortlist]
     say(f"confirming: {len(order)} short training runs")
-    # A first, shortest run of the configured settings times a step of the whole
-    # pipeline (the loader alone does not see compute); every run is sized by it.
-    least = warmup_steps(config) + 4
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-        calibration = measure_pipeline(config, pipeline, model, steps=least)
-    per_step_s = calibration.wall_s / max(calibration.steps, 1)
+    # ``calibration``, the shortest run of the configured settings, sizes every run and
+    # stands for the configured settings when a longer run does not fit.
+    runs[result.baseline] = calibration
+    per_step_s = calibration.epoch_s / max(calibration.steps, 1)
+    overhead_s = max(0.0, calibration.wall_s - calibration.epoch_s)
     for index, candidate in enumerate(order):
         left = deadline - time.perf_counter()
         # What is left, shared by the runs still to go; each run also pays its set-up.
-        seconds = left / (len(order) - index) - RUN_OVERHEAD_S
+        seconds = left / (len(order) - index) - overhead_s
         run_config = config_with(config, candidate)
         fewest = warmup_steps(run_config) + 4
-        if seconds < fewest * per_step_s and index > 0:
-            break
+        if seconds < fewest * per_step_s * candidate_scale(run_config, config):
+            continue  # does not fit: a run past the deadline would break the budget
         data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
         scale = candidate_scale(run_config, config)
         steps = max(fewest, int(seconds / (per_step_s * scale)))
@@ -628,7 +648,7 @@ def confirm_by_training(
                 run_config, pipeline, model, steps=steps, dataset=data
             )
         if candidate == result.baseline:
-            per_step_s = runs[candidate].wall_s / max(runs[candidate].steps, 1)
+            per_step_s = runs[candidate].epoch_s / max(runs[candidate].steps, 1)
     base = runs[result.baseline]
     epochs = result.epochs
     rates = {c: f.run_rate(epochs) for c, f in runs.items()}
@@ -651,10 +671,6 @@ def confirm_by_training(
         notes=tuple(notes),
         confirmed={c: rates[c] / rates[result.baseline] for c in runs},
     )
-
-
-#: Seconds a short training run pays besides its steps (building the loop, run dir).
-RUN_OVERHEAD_S = 0.3
 
 
 def candidate_scale(candidate_config: RunConfig, config: RunConfig) -> float:
