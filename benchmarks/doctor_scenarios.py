@@ -112,10 +112,10 @@ def scenarios(tmp: Path, cores: int) -> list[Scenario]:
         Scenario(
             "io_latency",
             "input-bound",
-            {"name": _name("sleepy"), "args": {"n": 1024, "delay_s": 0.002}},
+            {"name": _name("sleepy"), "args": {"n": 4096, "delay_s": 0.001}},
             {"name": _name("mlp")},
             {"num_workers": 2},
-            workers(0, 2, 4, 8, 16, 24),
+            workers(0, 2, 4, 8, 16) + workers(4, 8, 16, 24, persistent_workers=True),
         ),
         Scenario(
             "per_sample_in_memory",
@@ -166,7 +166,9 @@ def scenarios(tmp: Path, cores: int) -> list[Scenario]:
             {"name": "parquet", "args": {"path": str(parquet), "target": "label"}},
             {"name": _name("mlp")},
             {"num_workers": 0},
-            workers(*many) + workers(*many, **{"data.cache": "memory"}),
+            workers(*many)
+            + workers(*many[1:], persistent_workers=True)
+            + workers(*many, **{"data.cache": "memory"}),
             epochs=3,
         ),
         Scenario(

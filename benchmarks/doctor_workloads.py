@@ -104,7 +104,7 @@ def arrays(n: int = 2048, features: int = 256) -> Dataset:
 
 def slow_collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
     """default_collate after a per-sample Python loop (a tokenizer-like cost, ~100 µs)."""
-    for x, _ in samples:
+    for _ in samples:
         acc = 0
         for k in range(1500):
             acc = (acc * 31 + k) % 1_000_003

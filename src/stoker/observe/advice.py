@@ -37,6 +37,8 @@ TRANSFER_MARGIN = 0.8
 MIN_GAIN = 1.05
 #: Collate at or above this share of the loader's in-process work per sample binds.
 COLLATE_BOUND_SHARE = 0.5
+#: A collate cheaper than this per sample is dispatch overhead, not a cost of its own.
+CHEAP_COLLATE_S = 20e-6
 #: The optimizer at or above this share of a compute step binds.
 OPTIMIZER_BOUND_SHARE = 0.35
 #: Compute this much faster at fewer threads: the threads oversubscribe the cores.
@@ -90,8 +92,15 @@ def _worker_change(m: Measurements, points: list[LoaderPoint]) -> Change | None:
         return None
     loader = m.loader_rate(count)
     how = "loading in the training process, between steps" if count == 0 else "alone"
+    settings: dict[str, Any] = {"loader.num_workers": count}
+    startup = next((p.startup_s for p in points if p.num_workers == count), 0.0)
+    if count and m.epochs > 1 and m.dataset_length and not m.persistent_workers:
+        epoch_s = m.dataset_length / predicted[count]
+        if startup >= 0.05 * epoch_s:
+            # Workers start again every epoch unless they persist: a cost per epoch.
+            settings["loader.persistent_workers"] = True
     return Change(
-        settings={"loader.num_workers": count},
+        settings=settings,
         why=(
             f"the loader {how} delivers {loader:,.0f} samples/s with {count} workers vs "
             f"{m.configured_loader_rate:,.0f} with {m.num_workers}; compute alone "
@@ -144,7 +153,6 @@ def _cache_change(m: Measurements) -> Change | None:
         return None
     now = _now(m)
     cached_loader = 1 / max(f.collate_per_sample_s or 0.0, 1e-7)
-    workers = max(m.num_workers, 1)
     cached = (
         min(cached_loader, m.compute_samples_per_s)
         if m.num_workers
@@ -160,9 +168,9 @@ def _cache_change(m: Measurements) -> Change | None:
     return Change(
         settings={"data.cache": "memory"},
         why=(
-            f"dataset[i] takes {f.per_sample_s * 1e3:.2f} ms, "
-            f"{min(f.per_sample_s / workers * m.configured_loader_rate, 1):.0%} of the "
-            "loader's time; cached, later epochs skip it"
+            f"dataset[i] takes {f.per_sample_s * 1e3:.2f} ms; cached, the later epochs "
+            f"skip it: the ceilings predict {m.epochs} epochs in {run_cached:.1f} s instead "
+            f"of {run_now:.1f} s"
         ),
         predicted_gain=gain,
         cost=(
@@ -204,13 +212,15 @@ def _oversubscribed(m: Measurements) -> list[LoaderPoint] | None:
 
 
 def _collate_share(m: Measurements) -> float:
-    """Collate's share of the loader's time per sample at the configured workers (each
-    worker collates its own batches, so the share divides among them)."""
+    """Collate's share of the loader's own work per sample (fetch + collate, both timed
+    in one process, side by side: their ratio holds however busy the machine is); 0 for a
+    collate cheaper than CHEAP_COLLATE_S, which cannot bind whatever its share."""
     f = m.fetch
-    if f is None or f.collate_per_sample_s is None:
+    if f is None or f.collate_per_sample_s is None or f.collate_per_sample_s < CHEAP_COLLATE_S:
         return 0.0
-    per_sample_s = 1 / m.configured_loader_rate if m.configured_loader_rate > 0 else math.inf
-    return min(1.0, f.collate_per_sample_s / max(m.num_workers, 1) / per_sample_s)
+    fetch_s = f.batched_per_sample_s if m.returns_batches and f.batched_per_sample_s else None
+    fetch_s = f.per_sample_s if fetch_s is None else fetch_s
+    return f.collate_per_sample_s / (fetch_s + f.collate_per_sample_s)
 
 
 def _fetch_words(m: Measurements) -> str:
@@ -382,11 +392,11 @@ def diagnose(m: Measurements) -> Diagnosis:
     The verdict, in order: ``transfer-bound`` (copies slower than loader and compute,
     with an accelerator); ``threads-oversubscribed`` (compute measured >= 1.3x faster at
     fewer intra-op threads); when the pipeline waits for data >= 5% of the time:
-    ``oversubscribed`` (more workers than cores serve), ``collate-bound`` (collate is
-    most of the loader's work), ``loader-overhead`` (cheap samples fetched one by one),
-    else ``input-bound`` (>= 20%) or ``partly input-bound``; otherwise
-    ``optimizer-bound`` (the step >= 35% of compute), ``balanced`` (the configured
-    loader within 2x of compute) or ``compute-bound``.
+    ``oversubscribed`` (more workers than cores serve), ``collate-bound`` (collate,
+    >= 20 µs per sample, is half or more of the loader's work), ``loader-overhead``
+    (cheap samples fetched one by one), else ``input-bound`` (>= 20%) or
+    ``partly input-bound``; otherwise ``optimizer-bound`` (the step >= 35% of compute),
+    ``balanced`` (the configured loader within 2x of compute) or ``compute-bound``.
 
     The proposed changes come from every stage measured, whatever the verdict: the
     worker count with the best predicted pipeline (0 included, beyond the cores when

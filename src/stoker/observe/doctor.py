@@ -302,4 +302,5 @@ def measure_stages(
         dataset_length=length,
         epochs=config.train.epochs,
         cache=config.data.cache,
+        persistent_workers=loader_cfg.persistent_workers,
     )

@@ -59,6 +59,7 @@ class Measurements:
         dataset_length: Samples in the training data (None for a stream).
         epochs: ``train.epochs`` (what a cache's first-epoch cost is spread over).
         cache: ``data.cache``.
+        persistent_workers: ``loader.persistent_workers``.
     """
 
     device: str
@@ -84,6 +85,7 @@ class Measurements:
     dataset_length: int | None = None
     epochs: int = 1
     cache: str = "none"
+    persistent_workers: bool = False
 
     def loader_rate(self, num_workers: int) -> float:
         """The loader-alone rate at ``num_workers`` (0.0 when not measured)."""

@@ -315,7 +315,6 @@ def sweep_workers(
             repeats=repeats,
             warmup_batches=warmup_batches(count, loader_cfg.prefetch_factor),
             burst=burst_size(count, loader_cfg.prefetch_factor),
-            max_s=2 * seconds + 0.5,
         )
         points.append(
             LoaderPoint(

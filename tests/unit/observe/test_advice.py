@@ -211,3 +211,22 @@ def test_startup_correction_never_takes_more_than_the_loaders_own_start_up() -> 
     assert startup_wait(excess_s=0.3, loader_startup_s=None, epochs=1, wait_s=0.05, run_s=2.0) == (
         pytest.approx(0.05)
     )
+
+
+def test_workers_that_start_again_every_epoch_are_proposed_persistent() -> None:
+    slow_start = points(w0=500, w2=1_000, w4=2_000)
+    slow_start = tuple(dataclasses.replace(p, startup_s=1.0) for p in slow_start)
+    common = dict(
+        loader=slow_start,
+        compute_samples_per_s=50_000.0,
+        pipeline=pipeline(480.0, 0.9),
+        fetch=fetch(2e-3, cpu_share=0.05),
+        dataset_length=4096,
+    )
+
+    def workers(epochs: int) -> dict:
+        changes = diagnose(measured(epochs=epochs, **common)).changes
+        return next(c.settings for c in changes if "loader.num_workers" in c.settings)
+
+    assert workers(5) == {"loader.num_workers": 4, "loader.persistent_workers": True}
+    assert workers(1) == {"loader.num_workers": 4}  # one epoch: workers start once anyway
