@@ -174,10 +174,10 @@ def scenarios(tmp: Path, cores: int) -> list[Scenario]:
         Scenario(
             "balanced",
             "balanced",
-            {"name": _name("sleepy"), "args": {"n": 1024, "delay_s": 0.001}},
+            {"name": _name("sleepy"), "args": {"n": 2048, "delay_s": 0.001}},
             {"name": _name("sleepy_model"), "args": {"delay_s": 0.02}},
-            {"num_workers": 4},
-            workers(0, 2, 4, 8),
+            {"num_workers": 4, "persistent_workers": True},
+            workers(0) + workers(2, 4, 8, persistent_workers=True),
         ),
         Scenario(
             "thread_oversubscription",
@@ -403,7 +403,7 @@ def summary(rows: list[dict[str, Any]], budget_s: float) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write doctor_scenarios.json here")
-    parser.add_argument("--seconds", type=float, default=0.6, help="doctor's time per measurement")
+    parser.add_argument("--seconds", type=float, default=0.8, help="doctor's time per measurement")
     parser.add_argument("--budget-s", type=float, default=10.0, help="tune's budget")
     parser.add_argument("--max-workers", type=int, default=16)
     parser.add_argument("--only", default="", help="comma-separated scenario names")

@@ -201,6 +201,8 @@ def _oversubscribed(m: Measurements) -> list[LoaderPoint] | None:
     fewer = [p for p in m.loader if p.num_workers < configured and p.num_workers <= m.cores + 1]
     if not within or not fewer:
         return None
+    if m.fetch is not None and m.fetch.cpu_share < 0.5:
+        return None  # workers that mostly wait may outnumber the cores
     base = max(within, key=lambda p: p.samples_per_s)
     scaling = m.configured_loader_rate / base.samples_per_s if base.samples_per_s > 0 else 0.0
     linear = configured / max(base.num_workers, 1)
@@ -255,6 +257,14 @@ def _verdict(m: Measurements) -> tuple[Verdict, str, list[str]]:
             [],
         )
     f = m.fetch
+    if wait < INPUT_BOUND_WAIT and compute <= loader_now < BALANCED_RATIO * compute:
+        return (
+            "balanced",
+            f"{share}; the loader ({loader_now:,.0f} samples/s with {m.num_workers} workers) "
+            f"keeps up with compute ({compute:,.0f}) with less than {BALANCED_RATIO:g}x to "
+            f"spare, and the two overlap; the pipeline runs {pipeline:,.0f}",
+            [],
+        )
     if wait >= PARTLY_INPUT_BOUND_WAIT:
         if _oversubscribed(m) is not None:
             demand = ""
@@ -309,14 +319,6 @@ def _verdict(m: Measurements) -> tuple[Verdict, str, list[str]]:
             f"({'fused' if m.fused else 'not fused: one small update per parameter tensor'}); "
             f"{share}; {figures}",
             code,
-        )
-    if loader_now < BALANCED_RATIO * compute:
-        return (
-            "balanced",
-            f"{share}; the loader ({loader_now:,.0f} samples/s with {m.num_workers} workers) "
-            f"and compute ({compute:,.0f}) are within {BALANCED_RATIO:g}x of each other and "
-            f"overlap; the pipeline runs {pipeline:,.0f}",
-            [],
         )
     code = ["bf16 autocast (train.precision=bf16) or torch.compile (train.compile=true)"]
     if m.device == "cpu":
@@ -391,12 +393,13 @@ def diagnose(m: Measurements) -> Diagnosis:
 
     The verdict, in order: ``transfer-bound`` (copies slower than loader and compute,
     with an accelerator); ``threads-oversubscribed`` (compute measured >= 1.3x faster at
-    fewer intra-op threads); when the pipeline waits for data >= 5% of the time:
+    fewer intra-op threads); ``balanced`` (data wait < 20%, the configured loader faster
+    than compute by less than 2x); when the pipeline waits for data >= 5% of the time:
     ``oversubscribed`` (more workers than cores serve), ``collate-bound`` (collate,
     >= 20 µs per sample, is half or more of the loader's work), ``loader-overhead``
     (cheap samples fetched one by one), else ``input-bound`` (>= 20%) or
-    ``partly input-bound``; otherwise ``optimizer-bound`` (the step >= 35% of compute),
-    ``balanced`` (the configured loader within 2x of compute) or ``compute-bound``.
+    ``partly input-bound``; otherwise ``optimizer-bound`` (the step >= 35% of compute) or
+    ``compute-bound``.
 
     The proposed changes come from every stage measured, whatever the verdict: the
     worker count with the best predicted pipeline (0 included, beyond the cores when

@@ -81,8 +81,17 @@ class PipelineFigures:
         steady = self.steady_samples_per_s
         if samples <= 0 or steady <= 0:
             return steady
-        per_epoch_startup = self.startup_s / max(self.epochs, 1)
-        return samples / (per_epoch_startup + samples / steady)
+        return samples / (self.epoch_startup_s + samples / steady)
+
+    @property
+    def epoch_startup_s(self) -> float:
+        """What an epoch of the short run took beyond its samples at the steady rate:
+        worker start-up, first batches, warm-up. Not capped as ``startup_s`` is (that
+        one guards the steady data wait; this one is what a real epoch pays again)."""
+        if self.steady_samples_per_s <= 0:
+            return 0.0
+        beyond = self.epoch_s - self.samples_per_s * self.epoch_s / self.steady_samples_per_s
+        return max(0.0, beyond) / max(self.epochs, 1)
 
 
 # --- applying settings -----------------------------------------------------------------
