@@ -88,7 +88,9 @@ def _worker_change(m: Measurements, points: list[LoaderPoint]) -> Change | None:
     best = max(predicted.values())
     count = min(w for w, rate in predicted.items() if rate >= SAME_RATE * best)
     gain = predicted[count] / now
-    if count == m.num_workers or gain <= MIN_GAIN:
+    if count == m.num_workers:
+        return _persistent_change(m, points)
+    if gain <= MIN_GAIN:
         return None
     loader = m.loader_rate(count)
     how = "loading in the training process, between steps" if count == 0 else "alone"
@@ -105,6 +107,27 @@ def _worker_change(m: Measurements, points: list[LoaderPoint]) -> Change | None:
             f"the loader {how} delivers {loader:,.0f} samples/s with {count} workers vs "
             f"{m.configured_loader_rate:,.0f} with {m.num_workers}; compute alone "
             f"{m.compute_samples_per_s:,.0f}"
+        ),
+        predicted_gain=gain,
+    )
+
+
+def _persistent_change(m: Measurements, points: list[LoaderPoint]) -> Change | None:
+    """``persistent_workers=true`` when the configured workers start again every epoch
+    and that start-up is a share of the run worth winning back."""
+    if not m.num_workers or m.persistent_workers or m.epochs < 2 or not m.dataset_length:
+        return None
+    startup = next((p.startup_s for p in points if p.num_workers == m.num_workers), 0.0)
+    epoch_s = m.dataset_length / max(_now(m), 1e-12)
+    run_now = m.epochs * (startup + epoch_s)
+    gain = run_now / (startup + m.epochs * epoch_s)
+    if gain <= MIN_GAIN:
+        return None
+    return Change(
+        settings={"loader.persistent_workers": True},
+        why=(
+            f"the {m.num_workers} workers take {startup:.2f} s to start, again in each of "
+            f"the run's {m.epochs} epochs of about {epoch_s:.1f} s"
         ),
         predicted_gain=gain,
     )

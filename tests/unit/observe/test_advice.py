@@ -230,3 +230,24 @@ def test_workers_that_start_again_every_epoch_are_proposed_persistent() -> None:
 
     assert workers(5) == {"loader.num_workers": 4, "loader.persistent_workers": True}
     assert workers(1) == {"loader.num_workers": 4}  # one epoch: workers start once anyway
+
+
+def test_the_best_workers_already_set_but_restarted_every_epoch_are_made_persistent() -> None:
+    slow_start = tuple(
+        dataclasses.replace(p, startup_s=1.0) for p in points(w0=500, w2=1_000, w4=4_000)
+    )
+    diagnosis = diagnose(
+        measured(
+            num_workers=4,
+            loader=slow_start,
+            compute_samples_per_s=50_000.0,
+            pipeline=pipeline(3_900.0, 0.5),
+            fetch=fetch(2e-3, cpu_share=0.05),
+            dataset_length=4096,
+            epochs=5,
+        )
+    )
+    change = next(c for c in diagnosis.changes if "persistent" in c.label())
+    assert change.settings == {"loader.persistent_workers": True}
+    # 5 epochs of 1.05 s each, plus 1 s of start-up each: 10.25 s; persistent: 6.25 s.
+    assert change.predicted_gain == pytest.approx(5 * (1 + 4096 / 3900) / (1 + 5 * 4096 / 3900))
