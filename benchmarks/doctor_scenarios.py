@@ -221,7 +221,27 @@ def mapping(s: Scenario, settings: dict[str, Any] | None = None) -> dict[str, An
             continue  # applied around the run (torch.set_num_threads)
         else:
             config.setdefault(section, {})[name] = value
+    if not loader.get("num_workers"):
+        loader["persistent_workers"] = False  # nothing to keep alive without workers
     return config
+
+
+def normalized(s: Scenario, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` less what the scenario already has: a sweep point equal to the
+    configured run is the configured run, not a second contender for the best."""
+    base = mapping(s)
+    kept = {}
+    for key, value in settings.items():
+        section, _, name = key.partition(".")
+        if key == "train.threads":
+            if value != s.threads:
+                kept[key] = value
+        elif section == "code" or base.get(section, {}).get(name, _MISSING) != value:
+            kept[key] = value
+    return kept
+
+
+_MISSING = object()
 
 
 def yaml_text(config: dict[str, Any]) -> str:
@@ -307,7 +327,9 @@ def run_scenario(s: Scenario, args: argparse.Namespace, tmp: Path) -> dict[str, 
         f"tune: {tuned.settings or 'no change'} predicted {tuned.predicted_gain or 1:.2f}x "
         f"({tune_s:.1f} s of {args.budget_s:g} s budget); yaml kept comments+flow: {kept}"
     )
-    space = [{}] + [dict(p) for p in s.space]
+    advice, tune_settings = normalized(s, advice), normalized(s, tune_settings)
+    space = [{}] + [normalized(s, p) for p in s.space]
+    space = [json.loads(k) for k in dict.fromkeys(_key(p) for p in space)]
     for extra in (advice, tune_settings):
         if _key(extra) not in {_key(p) for p in space}:
             space.append(dict(extra))

@@ -76,6 +76,8 @@ def worker_change(m: Measurements, points: list[LoaderPoint]) -> Change | None:
     loader = m.loader_rate(count)
     how = "loading in the training process, between steps" if count == 0 else "alone"
     settings: dict[str, Any] = {"loader.num_workers": count}
+    if count == 0 and m.persistent_workers:
+        settings["loader.persistent_workers"] = False  # no workers to keep alive
     startup = next((p.startup_s for p in points if p.num_workers == count), 0.0)
     if count and m.epochs > 1 and m.dataset_length and not m.persistent_workers:
         epoch_s = m.dataset_length / predicted[count]
