@@ -98,6 +98,47 @@ def tuner_checks(report: dict[str, Any]) -> list[Check]:
     ]
 
 
+def doctor_checks(report: dict[str, Any]) -> list[Check]:
+    """benchmarks/doctor_scenarios.py's JSON as checks: the issue's targets, as shares."""
+    bench = "doctor_scenarios"
+    s = report["summary"]
+    scenarios, with_gain = s["scenarios"], max(s["with_gain"], 1)
+    note = f"of {s['with_gain']} scenarios with a gain to find"
+    return [
+        target_check(bench, "verdicts right", s["verdicts_right"] / scenarios, ">=", 1.0),
+        target_check(
+            bench,
+            "advice reaches 80% of the best gain",
+            s["advice_reaches_80pct"] / with_gain,
+            ">=",
+            0.8,
+            note=note,
+        ),
+        target_check(
+            bench,
+            "tune --write reaches 80% of the best gain",
+            s["tune_reaches_80pct"] / with_gain,
+            ">=",
+            0.8,
+            note=note,
+        ),
+        target_check(
+            bench,
+            "tune's prediction within 15% of the realized speed-up",
+            s["tune_within_15pct"] / scenarios,
+            ">=",
+            0.8,
+        ),
+        target_check(
+            bench,
+            "tune within its budget (+10%)",
+            s["tune_within_budget_10pct"] / scenarios,
+            ">=",
+            1.0,
+        ),
+    ]
+
+
 def own_checks(report: dict[str, Any]) -> list[Check]:
     return [Check(**check) for check in report["checks"]]
 
@@ -175,6 +216,15 @@ def plan(quick: bool) -> dict[str, Plan]:
             "tuner.json",
             tuner_checks,
             480,
+            {"OMP_NUM_THREADS": "1"},
+        ),
+        # The scenarios set their own intra-op threads (one; more in the one about that).
+        "doctor_scenarios": (
+            "doctor_scenarios.py",
+            lambda out, threads: ["--out", str(out)],
+            "doctor_scenarios.json",
+            doctor_checks,
+            1200,
             {"OMP_NUM_THREADS": "1"},
         ),
     }

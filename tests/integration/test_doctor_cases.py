@@ -91,8 +91,11 @@ def test_more_workers_than_cores_is_oversubscribed(tmp_path: Path) -> None:
     m = document["measurements"]
     assert m["num_workers"] == 8
     assert 8 in rates(document)
-    recommended = document["recommended_loader"]["num_workers"]
-    assert 1 <= recommended <= m["cores"] + 1 < 8
+    # Fewer workers are recommended only when a short run with them trained > 1.05x faster.
+    recommended = document["recommended_loader"].get("num_workers")
+    if recommended is not None:
+        assert recommended <= m["cores"] + 1 < 8
+        assert document["gain_measured"] and document["expected_gain"] > 1.05
 
 
 def test_doctor_prints_a_table_and_the_verdict(tmp_path: Path) -> None:

@@ -24,10 +24,14 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         parents=parents,
         help="measure each pipeline stage alone and name the bottleneck",
         description=(
-            "Measure the loader alone (at several worker counts), host-to-device transfer, "
-            "compute alone and a short real training run; then name the bottleneck "
-            "(input-bound, loader-overhead, oversubscribed, transfer-bound, compute-bound) "
-            "and the fix. Nothing is written next to the config."
+            "Measure the per-sample fetch and collate, the loader alone (at several worker "
+            "counts), host-to-device transfer, compute alone (forward, backward, optimizer; "
+            "fused and at fewer threads where it matters) and a short real training run; "
+            "name the bottleneck (input-bound, partly input-bound, loader-overhead, "
+            "collate-bound, oversubscribed, transfer-bound, threads-oversubscribed, "
+            "optimizer-bound, balanced, compute-bound); then try each proposed change in a "
+            "short run of the pipeline and recommend only one that wins more than 1.05x. "
+            "Nothing is written next to the config."
         ),
     )
     add_config_and_overrides(parser, example="loader.num_workers=2")
@@ -44,6 +48,11 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         default=16,
         metavar="N",
         help="highest worker count measured besides the configured one (default: 16)",
+    )
+    parser.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="skip the short runs that confirm each proposed change (predicted gains only)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of a table"
@@ -71,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Whatever the user's code prints while it is measured must not mix with the JSON.
     with contextlib.redirect_stdout(sys.stderr):
-        diagnosis = run_doctor(config, seconds=args.seconds, max_workers=args.max_workers, say=say)
+        diagnosis = run_doctor(
+            config,
+            seconds=args.seconds,
+            max_workers=args.max_workers,
+            confirm=not getattr(args, "no_confirm", False),
+            say=say,
+        )
     if args.json:
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:
@@ -83,6 +98,12 @@ def _rate(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "∞" if value is not None else "-"
     return f"{value:,.0f}"
+
+
+def _value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
 
 
 def print_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
@@ -104,12 +125,26 @@ def print_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         ("why", diagnosis.reason),
         ("fix", diagnosis.recommendation),
     ]
-    if diagnosis.recommended_loader:
-        settings = " ".join(f"loader.{k}={v}" for k, v in diagnosis.recommended_loader.items())
+    if diagnosis.settings:
+        settings = " ".join(f"{k}={_value(v)}" for k, v in diagnosis.settings.items())
         lines.append(("settings", settings))
     if diagnosis.expected_gain is not None:
-        kind = "measured ceilings" if diagnosis.gain_measured else "upper bound"
+        kind = (
+            "measured in a short run with the change applied"
+            if diagnosis.gain_measured
+            else "predicted from the stage ceilings, not confirmed"
+        )
         lines.append(("expected gain", f"{diagnosis.expected_gain:.2f}x ({kind})"))
+    for change in diagnosis.changes:
+        if change.settings != diagnosis.settings:
+            tried = (
+                f"measured {change.confirmed_gain:.2f}x"
+                if change.confirmed_gain is not None
+                else "not tried"
+            )
+            lines.append(
+                ("also", f"{change.label()}: predicted {change.predicted_gain:.2f}x, {tried}")
+            )
     lines.extend(("note", note) for note in diagnosis.warnings)
     for label, text in lines:
         console.print(Text.assemble((f"{label}: ", "bold"), text))

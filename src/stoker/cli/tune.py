@@ -29,32 +29,34 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
             "Search num_workers, prefetch_factor, persistent_workers, pin_memory (CUDA only) "
             "and batched fetch by successive halving: every candidate is measured briefly "
             "(the loader alone), the clearly slow ones are dropped, the survivors are "
-            "measured longer; two short training runs then confirm the winner."
+            "measured longer; short training runs of the configured settings and the best "
+            "few candidates then pick the winner, and its speed-up is the one they show."
         ),
     )
     add_config_and_overrides(parser, example="loader.num_workers=2")
     parser.add_argument(
         "--write",
         action="store_true",
-        help="save the winning loader.* settings into CONFIG (other keys are kept; "
-        "comments are not)",
+        help="save the winning loader.* settings into CONFIG (comments, order and style kept)",
     )
     parser.add_argument(
         "--batch-size",
         action="store_true",
-        help="also search loader.batch_size (it changes optimization, not only speed)",
+        help="also search loader.batch_size (it changes the optimisation, not only the speed: "
+        "scale the learning rate with it)",
     )
     parser.add_argument(
         "--budget-s",
         type=float,
         default=60.0,
         metavar="S",
-        help="total time to spend, search and confirmation (default: 60)",
+        help="total time to spend, search and confirming runs (default: 60)",
     )
     parser.add_argument(
         "--no-confirm",
         action="store_true",
-        help="skip the two confirming training runs",
+        help="skip the confirming training runs (the fastest loader alone wins; no "
+        "speed-up is predicted)",
     )
     parser.add_argument(
         "--max-workers",
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.write:
         if changes:
             listed = ", ".join(f"loader.{k}: {o} -> {n}" for k, (o, n) in changes.items())
-            console.print(Text(f"updated {args.config}: {listed} (comments in it are not kept)"))
+            console.print(Text(f"updated {args.config}: {listed}"))
         else:
             console.print(Text(f"{args.config} already has the best settings measured"))
     elif result.settings:
@@ -177,20 +179,21 @@ def print_result(result: TuneResult, console: Console) -> None:
     baseline = halving.last_trial(result.baseline)
     line = f"winner: {result.winner.label()}"
     if winner is not None and baseline is not None and baseline.samples_per_s > 0:
-        ratio = winner.samples_per_s / baseline.samples_per_s
         line += (
-            f" — loader alone {winner.samples_per_s:,.0f} samples/s vs "
-            f"{baseline.samples_per_s:,.0f} now ({ratio:.2f}x)"
+            f" (the loader alone, no model: {winner.samples_per_s:,.0f} samples/s vs "
+            f"{baseline.samples_per_s:,.0f} now; training sets the pace, see below)"
         )
     console.print(Text(line))
     if result.baseline_pipeline is not None and result.winner_pipeline is not None:
-        base = result.baseline_pipeline.steady_samples_per_s
-        win = result.winner_pipeline.steady_samples_per_s
+        base = result.baseline_pipeline.run_rate(result.epochs)
+        win = result.winner_pipeline.run_rate(result.epochs)
         console.print(
             Text(
-                f"training: {win:,.0f} samples/s with the winner vs {base:,.0f} now "
-                f"({result.pipeline_gain or 0:.2f}x)"
+                f"training (short runs, rates over whole epochs): {win:,.0f} samples/s with "
+                f"the winner vs {base:,.0f} now ({result.pipeline_gain or 0:.2f}x)"
             )
         )
+    if result.settings and result.predicted_gain is not None:
+        console.print(Text(f"expected speed-up of training: {result.predicted_gain:.2f}x"))
     for note in result.notes:
         console.print(Text(f"note: {note}"))

@@ -1,38 +1,35 @@
-"""Stage isolation: loader, transfer, compute, per-sample fetch and the pipeline, each alone."""
+"""Stage isolation: the loader, transfer, compute and per-sample fetch, each measured alone
+(the pipeline as a whole is measured by :mod:`stoker.observe.short_run`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
 from stoker.config import RunConfig
 from stoker.data.device import move_to_device
 from stoker.data.loader import PerSampleView
+from stoker.observe.fetch_cost import FetchFigures, measure_fetch, supports_batched_fetch
 from stoker.train.batch import batch_size_of, forward, split_batch
 from stoker.train.optim import build_optimizer
-from stoker.train.pipeline import Pipeline, UserComponents, build_train_loader
+from stoker.train.pipeline import Pipeline, build_train_loader
 from stoker.train.precision import build_precision
-from stoker.train.session import train_run
 
 __all__ = [
+    "ComputeFigures",
     "FetchFigures",
     "LoaderPoint",
     "PerSampleView",
-    "PipelineFigures",
     "Rate",
     "TransferFigures",
     "burst_size",
@@ -41,7 +38,6 @@ __all__ = [
     "measure_compute",
     "measure_fetch",
     "measure_loader",
-    "measure_pipeline",
     "measure_transfer",
     "release_loader",
     "supports_batched_fetch",
@@ -97,54 +93,6 @@ class TransferFigures:
         return self.pinned_gb_per_s * 1e9 / self.batch_bytes * self.batch_size
 
 
-def _run_queue_wait_s() -> float:
-    """Seconds this thread has spent runnable but waiting for a core (Linux), else 0.
-
-    The second field of ``/proc/thread-self/schedstat`` (nanoseconds); where the file
-    is missing (other systems, kernels without scheduler statistics) the CPU share is
-    CPU time over wall time, as before.
-    """
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as file:
-            return int(file.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-@dataclass(frozen=True)
-class FetchFigures:
-    """What one sample costs to fetch, alone (``dataset[i]``) and in a batch.
-
-    ``cpu_share`` is the process CPU time over the wall time of ``dataset[i]`` less the
-    time the thread waited for a core: near 1 when fetching computes (decode, augment),
-    near 0 when it waits (disk, network, sleep), however busy the machine is.
-    """
-
-    per_sample_s: float
-    cpu_share: float
-    collate_per_sample_s: float | None
-    batched_per_sample_s: float | None
-    supports_batched: bool
-
-
-@dataclass(frozen=True)
-class PipelineFigures:
-    """A short real training run through stoker's loop.
-
-    ``steady_*`` exclude the loader's start-up (``startup_s``, the first step-level
-    window's time beyond the steady rate), which a short run would count as data wait.
-    """
-
-    samples_per_s: float
-    data_wait_fraction: float
-    steps: int
-    epoch_s: float
-    data_wait_s: float
-    startup_s: float
-    steady_samples_per_s: float
-    steady_data_wait_fraction: float
-
-
 # --- helpers ---------------------------------------------------------------------------
 
 
@@ -156,13 +104,20 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def worker_counts(cores: int, configured: int, *, cap: int = 16) -> list[int]:
+def worker_counts(
+    cores: int, configured: int, *, cap: int = 16, cpu_share: float | None = None
+) -> list[int]:
     """The worker counts the doctor measures: 0, 1, 2, powers of two, cores, cores + 1 (capped).
 
-    The configured count is always included, even above the cap.
+    A fetch that mostly waits (``cpu_share`` below one half: disk, network) leaves its
+    core idle, so more workers than cores still overlap their waits: the sweep then goes
+    on in powers of two up to the cores over the CPU share (capped). The configured count
+    is always included, even above the cap.
     """
     top = max(1, min(cores + 1, cap))
-    counts = {0, 1, min(2, top), min(cores, top), top, configured}
+    if cpu_share is not None and cpu_share < 0.5:
+        top = max(top, min(cap, math.ceil(cores / max(cpu_share, 1 / 64))))
+    counts = {0, 1, min(2, top), min(cores, top), min(cores + 1, top), top, configured}
     power = 4
     while power < top:
         counts.add(power)
@@ -191,13 +146,6 @@ def warmup_batches(num_workers: int, prefetch_factor: int | None) -> int:
 def burst_size(num_workers: int, prefetch_factor: int | None) -> int:
     """The most batches a loader can hand out at once (all its workers' finished ones)."""
     return max(1, num_workers * (prefetch_factor or 2))
-
-
-def supports_batched_fetch(dataset: Dataset) -> bool:
-    """Whether the dataset itself defines ``__getitems__`` (a Subset only forwards it)."""
-    if isinstance(dataset, Subset):
-        return supports_batched_fetch(dataset.dataset)
-    return hasattr(type(dataset), "__getitems__")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -262,6 +210,7 @@ def measure_loader(
     warmup_batches: int = 1,
     burst: int = 1,
     consume: Callable[[Any], Any] | None = None,
+    max_s: float | None = None,
 ) -> Rate:
     """Iterate ``loader`` with no model for about ``seconds`` and measure samples/s.
 
@@ -272,16 +221,20 @@ def measure_loader(
     ``3 * seconds + 2``) until it holds two bursts, and each of the ``repeats`` groups
     (median reported) holds at least one, so a burst cannot pass for a rate.
     ``consume`` is applied to each measured batch (e.g. the copy to the GPU).
+    ``max_s`` bounds the whole measurement, warm-up included (a tuner's budget): past it
+    the warm-up ends early and the rate is taken from what arrived (at least one batch).
     """
     min_batches = max(2 * repeats, 2 * burst)
     started = time.perf_counter()
     first_batch_s = None
     iterator: Iterator[Any] = iter(loader)
     try:
-        taken = empty_passes = 0
+        taken = empty_passes = warm_samples = 0
         while taken < max(1, warmup_batches):
+            if taken and max_s is not None and time.perf_counter() - started >= 0.5 * max_s:
+                break
             try:
-                next(iterator)
+                batch = next(iterator)
             except StopIteration:
                 empty_passes += 1 if taken == 0 else 0
                 if empty_passes > 1:
@@ -291,6 +244,7 @@ def measure_loader(
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
             taken += 1
+            warm_samples += samples_in(batch)
         start = time.perf_counter()
         warmup_s = start - started
         arrivals: list[tuple[float, int]] = []
@@ -312,6 +266,14 @@ def measure_loader(
             if elapsed >= seconds and len(arrivals) >= min_batches:
                 break
             if elapsed >= 3 * seconds + 2 and len(arrivals) >= 1:
+                break
+            if max_s is not None and now - started >= max_s and len(arrivals) >= 1:
+                if len(arrivals) < min_batches:
+                    # Cut short within a burst of prefetched batches: only the whole span,
+                    # start-up included, is a rate (a low one, never a burst's).
+                    samples = warm_samples + sum(n for _, n in arrivals)
+                    whole = samples / (now - started)
+                    return Rate(whole, (whole,), now - start, warmup_s, len(arrivals), 0.0)
                 break
         groups = max(1, min(repeats, len(arrivals) // burst))
         rate = grouped_rate(arrivals, start=start, repeats=groups, warmup_s=warmup_s)
@@ -438,6 +400,18 @@ def measure_transfer(batch: Any, device: torch.device, *, seconds: float) -> Tra
 # --- (c) compute alone -----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ComputeFigures:
+    """Compute alone: the rate, and each phase's share of a step (``forward`` includes
+    the loss), timed on a separate pass with a sync after each phase."""
+
+    samples_per_s: float
+    repeats: tuple[float, ...]
+    forward_share: float
+    backward_share: float
+    optimizer_share: float
+
+
 def measure_compute(
     model: torch.nn.Module,
     batch: Any,
@@ -447,7 +421,7 @@ def measure_compute(
     device: torch.device,
     seconds: float,
     repeats: int = 3,
-) -> Rate:
+) -> ComputeFigures:
     """Forward, loss, backward and optimizer step on one batch already on the device.
 
     ``model`` is deep-copied, so the caller's copy is not trained.
@@ -462,13 +436,27 @@ def measure_compute(
     precision = build_precision(config.train, device)
     inputs, targets = split_batch(move_to_device(batch, device, non_blocking=False))
     size = samples_in(batch)
+    phase_s = [0.0, 0.0, 0.0]
 
-    def step() -> None:
+    def step(timed: bool = False) -> None:
+        t0 = time.perf_counter()
         with precision.autocast():
             loss = loss_fn(forward(model, inputs), targets)
+        if timed:
+            _synchronize(device)
+        t1 = time.perf_counter()
         precision.backward(loss)
+        if timed:
+            _synchronize(device)
+        t2 = time.perf_counter()
         precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if timed:
+            _synchronize(device)
+            t3 = time.perf_counter()
+            phase_s[0] += t1 - t0
+            phase_s[1] += t2 - t1
+            phase_s[2] += t3 - t2
 
     warm_started = time.perf_counter()
     for _ in range(3):  # optimizer state, allocator, kernels chosen
@@ -483,236 +471,16 @@ def measure_compute(
             steps += 1
         _synchronize(device)
         arrivals.append((time.perf_counter(), steps * size))
-    return grouped_rate(arrivals, start=start, repeats=repeats, warmup_s=start - warm_started)
-
-
-# --- (e) per-sample fetch cost ---------------------------------------------------------
-
-
-def measure_fetch(
-    dataset: Dataset,
-    *,
-    batch_size: int,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    seconds: float,
-    seed: int = 0,
-) -> FetchFigures | None:
-    """Median time of ``dataset[i]``, of collating a batch, and of a batched fetch.
-
-    Returns None for a stream (an IterableDataset has no ``dataset[i]``).
-    """
-    if isinstance(dataset, IterableDataset):
-        return None
-    try:
-        length = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    if length == 0:
-        return None
-    generator = torch.Generator().manual_seed(seed)
-    indices = torch.randint(length, (max(batch_size, 1),), generator=generator).tolist()
-    budget = seconds / 3
-    dataset[indices[0]]  # warm-up: lazy opens, caches
-    per_sample: list[float] = []
-    samples = []
-    started, cpu_started = time.perf_counter(), time.process_time()
-    queued_started = _run_queue_wait_s()
-    for i in (indices * 64)[:4096]:
-        t0 = time.perf_counter()
-        sample = dataset[i]
-        per_sample.append(time.perf_counter() - t0)
-        if len(samples) < batch_size:
-            samples.append(sample)
-        if time.perf_counter() - started >= budget and len(per_sample) >= 5:
-            break
-    wall_s = time.perf_counter() - started
-    # Time this thread was ready to run but waited for a core is neither computing nor
-    # waiting on I/O: without it, a decode that shares its core with other work reads
-    # like a wait on the disk (a busy loop measured 0.29 with 3 processes on 2 cores).
-    ran_or_slept_s = wall_s - (_run_queue_wait_s() - queued_started)
-    cpu_s = time.process_time() - cpu_started
-    cpu_share = min(1.0, cpu_s / ran_or_slept_s) if ran_or_slept_s > 0 else 1.0
-    collate_s = None
-    if len(samples) == batch_size:
-        collate = collate_fn or default_collate
-        with contextlib.suppress(Exception):
-            collate_s = _median_call(lambda: collate(samples), budget) / batch_size
-    batched_s = None
-    supports = supports_batched_fetch(dataset)
-    if supports:
-        fetch = dataset.__getitems__  # type: ignore[attr-defined]
-        with contextlib.suppress(Exception):
-            batched_s = _median_call(lambda: fetch(list(indices)), budget) / len(indices)
-    return FetchFigures(
-        per_sample_s=statistics.median(per_sample),
-        cpu_share=cpu_share,
-        collate_per_sample_s=collate_s,
-        batched_per_sample_s=batched_s,
-        supports_batched=supports,
+    rate = grouped_rate(arrivals, start=start, repeats=repeats, warmup_s=start - warm_started)
+    # The phase split on its own pass (a sync per phase would slow the rate above).
+    timed_started = time.perf_counter()
+    while time.perf_counter() - timed_started < max(seconds / 4, 0.02) or phase_s[0] == 0:
+        step(timed=True)
+    total = sum(phase_s) or 1.0
+    return ComputeFigures(
+        samples_per_s=rate.samples_per_s,
+        repeats=rate.repeats,
+        forward_share=phase_s[0] / total,
+        backward_share=phase_s[1] / total,
+        optimizer_share=phase_s[2] / total,
     )
-
-
-def _median_call(call: Callable[[], Any], budget: float) -> float:
-    times = []
-    started = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - started < budget and len(times) < 1000):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# --- (d) the pipeline: a short real run ------------------------------------------------
-
-
-def pipeline_steps(*, seconds: float, expected_samples_per_s: float, batch_size: int) -> int:
-    """Steps for a pipeline run of about ``seconds`` at the expected rate (3 to 100,000)."""
-    if not math.isfinite(expected_samples_per_s) or expected_samples_per_s <= 0:
-        return 10
-    return int(min(max(math.ceil(seconds * expected_samples_per_s / batch_size), 3), 100_000))
-
-
-def short_run_config(
-    config: RunConfig, *, steps: int, epochs: int, run_dir: Path, log_every: int
-) -> RunConfig:
-    """``config`` for a short measured run: no checkpoints, no TensorBoard, no validation."""
-    train = config.train.model_copy(
-        update={
-            "max_steps": steps,
-            "epochs": epochs,
-            "monitor": "train/loss",
-            "early_stopping": None,
-            "log_every_steps": log_every,
-        }
-    )
-    return config.model_copy(
-        update={
-            "train": train,
-            "checkpoint": config.checkpoint.model_copy(update={"enabled": False}),
-            "tracking": config.tracking.model_copy(
-                update={"tensorboard": False, "run_dir": str(run_dir)}
-            ),
-        }
-    )
-
-
-def _step_windows(metrics_path: Path) -> dict[int, list[float]]:
-    """Step-level throughputs of a run, per epoch, in order (epoch records left out)."""
-    windows: dict[int, list[float]] = {}
-    if not metrics_path.is_file():
-        return windows
-    for line in metrics_path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if "time/epoch_s" in record or "throughput/samples_per_s" not in record:
-                continue
-            rate = record["throughput/samples_per_s"]
-            if isinstance(rate, (int, float)) and rate > 0:
-                windows.setdefault(int(record.get("epoch", 0)), []).append(float(rate))
-    return windows
-
-
-def warmup_steps(config: RunConfig) -> int:
-    """Steps of a run before its loader is steady: start-up plus the prefetched burst."""
-    loader = config.loader
-    batches = warmup_batches(loader.num_workers, loader.prefetch_factor)
-    return math.ceil(batches / config.train.grad_accum_steps)
-
-
-def measure_pipeline(
-    config: RunConfig,
-    pipeline: Pipeline,
-    model: torch.nn.Module,
-    *,
-    steps: int,
-    dataset: Dataset | None = None,
-) -> PipelineFigures:
-    """Train ``steps`` steps (over as many epochs as that takes) with stoker's own loop.
-
-    ``config``'s loader settings are the ones measured; the pipeline's data (or
-    ``dataset``), loss and collate are reused; ``model`` is deep-copied. The loop logs
-    step-level windows; those within :func:`warmup_steps` of an epoch's start hold the
-    loader's start-up and prefetched burst. The windows after them give the steady rate,
-    and the early windows' time beyond that rate is start-up, taken out of ``steady_*``.
-    """
-    data = dataset if dataset is not None else pipeline.train_data
-    step_samples = config.loader.batch_size * config.train.grad_accum_steps
-    try:
-        batches = len(data) / config.loader.batch_size  # type: ignore[arg-type]
-        batches = math.floor(batches) if config.loader.drop_last else math.ceil(batches)
-        per_epoch = max(1, math.ceil(batches / config.train.grad_accum_steps))
-    except TypeError:
-        per_epoch = steps
-    epochs = min(max(1, math.ceil(steps / per_epoch)), 1000)
-    skip = warmup_steps(config)
-    # About eight windows per epoch: a record (a sync and a line written) is no per-step cost.
-    log_every = max(1, min(steps, per_epoch) // 8)
-    user = UserComponents(
-        model=copy.deepcopy(model),
-        train_data=data,
-        val_data=None,
-        loss_fn=pipeline.loss_fn,
-        collate_fn=pipeline.collate_fn,
-    )
-    with tempfile.TemporaryDirectory(prefix="stoker-doctor-") as tmp:
-        run_dir = Path(tmp) / "run"
-        short = short_run_config(
-            config, steps=steps, epochs=epochs, run_dir=run_dir, log_every=log_every
-        )
-        history = train_run(short, user=user, progress="quiet").history
-        windows = _step_windows(run_dir / "metrics.jsonl")
-    epoch_s = sum(float(r["time/epoch_s"]) for r in history)
-    wait_s = sum(float(r["time/data_wait_s"]) for r in history)
-    samples = sum(float(r["throughput/samples_per_s"]) * float(r["time/epoch_s"]) for r in history)
-    rate = samples / epoch_s if epoch_s > 0 else 0.0
-    # Windows hold equal samples, so the steady rate is their count over their time.
-    window_samples = log_every * step_samples
-    steady = [w for epoch in windows.values() for k, w in enumerate(epoch) if k * log_every >= skip]
-    early = [w for epoch in windows.values() for k, w in enumerate(epoch) if k * log_every < skip]
-    steady_rate = len(steady) / sum(1 / w for w in steady) if steady else rate
-    startup = 0.0
-    if steady and steady_rate > 0:
-        startup = max(0.0, sum(window_samples / w - window_samples / steady_rate for w in early))
-    startup = min(startup, wait_s, 0.5 * epoch_s)
-    steady_s = epoch_s - startup
-    return PipelineFigures(
-        samples_per_s=rate,
-        data_wait_fraction=wait_s / epoch_s if epoch_s > 0 else 0.0,
-        steps=int(history[-1]["step"]) if history else 0,
-        epoch_s=epoch_s,
-        data_wait_s=wait_s,
-        startup_s=startup,
-        steady_samples_per_s=steady_rate,
-        steady_data_wait_fraction=max(0.0, (wait_s - startup) / steady_s) if steady_s > 0 else 0.0,
-    )
-
-
-def planned_pipeline_steps(
-    config: RunConfig,
-    pipeline: Pipeline,
-    model: torch.nn.Module,
-    *,
-    seconds: float,
-    expected_samples_per_s: float,
-    dataset: Dataset | None = None,
-) -> int:
-    """Steps for a pipeline run of about ``seconds``: the stage ceilings' guess, or when
-    that is many steps, a short calibration run's (the loop's own cost shows there)."""
-    batch = config.loader.batch_size * config.train.grad_accum_steps
-    # Enough steps past the loader's warm-up for several bursts of prefetched batches.
-    burst = math.ceil(
-        burst_size(config.loader.num_workers, config.loader.prefetch_factor)
-        / config.train.grad_accum_steps
-    )
-    least = warmup_steps(config) + 2 * burst + 4
-    guess = pipeline_steps(
-        seconds=seconds, expected_samples_per_s=expected_samples_per_s, batch_size=batch
-    )
-    if guess > 50:
-        trial = measure_pipeline(
-            config, pipeline, model, steps=max(16, least, guess // 20), dataset=dataset
-        )
-        guess = pipeline_steps(
-            seconds=seconds, expected_samples_per_s=trial.steady_samples_per_s, batch_size=batch
-        )
-    return max(guess, least)

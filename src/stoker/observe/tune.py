@@ -1,38 +1,42 @@
-"""Loader autotuner: successive halving over loader settings, each measured loader-alone."""
+"""Loader autotuner: successive halving ranks loader settings by the loader alone, short
+training runs of the whole pipeline pick the winner and predict its speed-up."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import logging
-import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from stoker.config import LoaderConfig, RunConfig, load_yaml, validate_config
+from stoker.config import LoaderConfig, RunConfig
 from stoker.data.loader_fast import serves_in_process
-from stoker.errors import ConfigError
+from stoker.observe.halving import (
+    Candidate,
+    Halving,
+    Trial,
+    halving_cost,
+    search_space,
+    successive_halving,
+)
+from stoker.observe.short_run import (
+    PipelineFigures,
+    measure_pipeline,
+    warmup_steps,
+)
 from stoker.observe.stages import (
     PerSampleView,
-    PipelineFigures,
     burst_size,
     copy_to,
-    first_batch,
-    loader_overrides,
-    measure_compute,
+    measure_fetch,
     measure_loader,
-    measure_pipeline,
-    planned_pipeline_steps,
     usable_cores,
     warmup_batches,
-    worker_counts,
 )
+from stoker.observe.yaml_edit import write_loader_settings
 from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline, build_train_loader
 
 __all__ = [
@@ -52,256 +56,6 @@ logger = logging.getLogger("stoker")
 
 #: The worker-count warning PyTorch gives above the core count: measuring that is the point.
 _WORKER_WARNING = ".*worker processes in total.*"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One combination of loader settings.
-
-    Attributes:
-        num_workers: Worker processes.
-        prefetch_factor: Batches each worker loads ahead (None: PyTorch's 2).
-        persistent_workers: Keep workers alive between epochs.
-        pin_memory: Pin batches (only meaningful with CUDA).
-        per_sample: Force per-sample fetch although the dataset fetches whole batches.
-        batch_size: Samples per batch (None: as configured).
-    """
-
-    num_workers: int
-    prefetch_factor: int | None = None
-    persistent_workers: bool = False
-    pin_memory: bool = False
-    per_sample: bool = False
-    batch_size: int | None = None
-
-    def label(self) -> str:
-        parts = [f"workers={self.num_workers}"]
-        if self.num_workers:
-            parts.append(f"prefetch={self.prefetch_factor or 2}")
-            parts.append(f"persistent={'on' if self.persistent_workers else 'off'}")
-        parts.append(f"pin={'on' if self.pin_memory else 'off'}")
-        parts.append("fetch=per-sample" if self.per_sample else "fetch=as-is")
-        if self.batch_size is not None:
-            parts.append(f"batch={self.batch_size}")
-        return " ".join(parts)
-
-    def cost(self) -> tuple[Any, ...]:
-        """Ordering among equally fast candidates: fewer processes and defaults first."""
-        return (
-            self.num_workers,
-            self.persistent_workers,
-            self.prefetch_factor or 2,
-            self.pin_memory,
-            self.per_sample,
-            self.batch_size or 0,
-        )
-
-    def overrides(self) -> dict[str, Any]:
-        """Keyword overrides for ``build_train_loader``."""
-        options = loader_overrides(
-            self.num_workers,
-            prefetch_factor=self.prefetch_factor,
-            persistent_workers=self.persistent_workers,
-        )
-        options["pin_memory"] = self.pin_memory
-        if self.batch_size is not None:
-            options["batch_size"] = self.batch_size
-        return options
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One measurement of one candidate."""
-
-    candidate: Candidate
-    round: int
-    seconds: float
-    samples_per_s: float
-
-
-@dataclass(frozen=True)
-class Halving:
-    """What successive halving measured and kept.
-
-    Attributes:
-        winner: The fastest candidate of the last round (the cheapest within ``tie``).
-        trials: Every measurement, in order.
-        abandoned: The round after which each dropped candidate was abandoned.
-        spent_s: Seconds of measurement asked for (not counting start-up).
-    """
-
-    winner: Candidate
-    trials: tuple[Trial, ...]
-    abandoned: dict[Candidate, int]
-    spent_s: float
-
-    def last_trial(self, candidate: Candidate) -> Trial | None:
-        found = [t for t in self.trials if t.candidate == candidate]
-        return found[-1] if found else None
-
-    def status(self, candidate: Candidate) -> str:
-        if candidate == self.winner:
-            return "winner"
-        if candidate in self.abandoned:
-            return f"abandoned after round {self.abandoned[candidate] + 1}"
-        return "kept"
-
-
-Measure = Callable[[Candidate, float], float]
-
-
-def successive_halving(
-    candidates: Sequence[Candidate],
-    measure: Measure,
-    *,
-    final_s: float,
-    eta: int = 4,
-    rounds: int = 3,
-    min_share: float = 0.5,
-    tie: float = 0.03,
-    deadline_s: float | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Halving:
-    """Measure every candidate briefly, keep the best, measure the survivors longer.
-
-    Round ``r`` measures each live candidate for ``final_s / eta ** (rounds - 1 - r)``
-    seconds. After a round only the best ``1/eta`` survive, and never one below
-    ``min_share`` of the round's best (clearly bad settings stop costing time at once).
-
-    Args:
-        candidates: The search space (at least one).
-        measure: ``measure(candidate, seconds) -> samples/s``.
-        final_s: Seconds per candidate in the last round.
-        eta: The share kept per round is ``1/eta``.
-        rounds: The most rounds.
-        min_share: Drop candidates slower than this share of the round's best.
-        tie: Among the last round's candidates within this share of the best, the
-            cheapest (fewest workers, defaults) wins.
-        deadline_s: Wall-clock budget. After each round the later rounds' measurements
-            are shortened (to no less than a tenth) when, at the per-measurement
-            overhead seen so far (start-up, warm-up), they would not fit.
-        clock: The wall clock (a fake one in tests).
-    """
-    if not candidates:
-        raise ValueError("successive_halving needs at least one candidate")
-    alive = list(dict.fromkeys(candidates))
-    trials: list[Trial] = []
-    abandoned: dict[Candidate, int] = {}
-    spent = 0.0
-    rates: dict[Candidate, float] = {}
-    started, scale = clock(), 1.0
-    for round_index in range(rounds):
-        seconds = scale * final_s / eta ** (rounds - 1 - round_index)
-        rates = {}
-        for candidate in alive:
-            rates[candidate] = measure(candidate, seconds)
-            spent += seconds
-            trials.append(Trial(candidate, round_index, seconds, rates[candidate]))
-        if round_index == rounds - 1 or len(alive) == 1:
-            break
-        best = max(rates.values())
-        ranked = sorted(alive, key=lambda c: (-rates[c], c.cost()))
-        keep = _survivors(len(alive), eta)
-        survivors = [c for c in ranked[:keep] if rates[c] >= min_share * best] or ranked[:1]
-        for candidate in alive:
-            if candidate not in survivors:
-                abandoned[candidate] = round_index
-        alive = survivors
-        if len(alive) == 1:
-            break
-        if deadline_s is not None:
-            scale = _fit(
-                deadline_s,
-                elapsed=clock() - started,
-                spent=spent,
-                measured=len(trials),
-                later=_later_rounds(len(alive), round_index + 1, final_s, eta=eta, rounds=rounds),
-            )
-    best = max(rates[c] for c in alive)
-    close = [c for c in alive if rates[c] >= (1 - tie) * best]
-    winner = min(close, key=lambda c: c.cost())
-    return Halving(winner=winner, trials=tuple(trials), abandoned=abandoned, spent_s=spent)
-
-
-def _survivors(count: int, eta: int) -> int:
-    """How many of ``count`` candidates survive a round: ``count / eta``, rounded, at least 1."""
-    return max(1, math.floor(count / eta + 0.5))
-
-
-def _later_rounds(
-    alive: int, first: int, final_s: float, *, eta: int, rounds: int
-) -> list[tuple[int, float]]:
-    """``(candidates, seconds each)`` of the rounds from ``first`` on (at most)."""
-    later = []
-    for round_index in range(first, rounds):
-        later.append((alive, final_s / eta ** (rounds - 1 - round_index)))
-        alive = _survivors(alive, eta)
-        if alive == 1:  # a lone survivor is the winner: nothing left to compare
-            break
-    return later
-
-
-def _fit(
-    deadline_s: float,
-    *,
-    elapsed: float,
-    spent: float,
-    measured: int,
-    later: list[tuple[int, float]],
-) -> float:
-    """The factor (0.1 to 1) that fits the later rounds into what is left of the deadline."""
-    overhead = max(0.0, elapsed - spent) / max(measured, 1)
-    need = sum(count * seconds for count, seconds in later)
-    room = deadline_s - elapsed - overhead * sum(count for count, _ in later)
-    if need <= 0:
-        return 1.0
-    return min(1.0, max(0.1, room / need))
-
-
-def halving_cost(count: int, *, eta: int = 4, rounds: int = 3) -> float:
-    """Seconds of measurement successive halving asks for at most, in units of ``final_s``."""
-    return sum(n * seconds for n, seconds in _later_rounds(count, 0, 1.0, eta=eta, rounds=rounds))
-
-
-# --- the search space and the real measurement -----------------------------------------
-
-
-def search_space(
-    *,
-    cores: int,
-    baseline: Candidate,
-    cuda: bool,
-    batched: bool,
-    batch_sizes: Sequence[int] = (),
-    max_workers: int = 16,
-) -> list[Candidate]:
-    """Every combination the tuner tries, the baseline (current settings) included.
-
-    Args:
-        cores: Usable CPU cores (worker counts go up to ``cores + 1``).
-        baseline: The configured settings.
-        cuda: Whether pinning matters (training on CUDA).
-        batched: Whether the dataset fetches whole batches (per-sample is then tried too).
-        batch_sizes: Batch sizes to try besides the configured one.
-        max_workers: Cap of the worker counts (besides the configured one).
-    """
-    workers = worker_counts(cores, baseline.num_workers, cap=max_workers)
-    prefetches = sorted({None, 4, baseline.prefetch_factor}, key=lambda p: p or 2)
-    pins = (False, True) if cuda else (baseline.pin_memory,)
-    fetches = (False, True) if batched else (False,)
-    sizes: Sequence[int | None] = (None, *batch_sizes)
-    space = [baseline]
-    for count in workers:
-        knobs = (
-            [(p, persist) for p in prefetches for persist in (False, True)]
-            if count
-            else [(None, False)]
-        )
-        for (prefetch, persist), pin, per_sample, size in (
-            (k, pin, f, s) for k in knobs for pin in pins for f in fetches for s in sizes
-        ):
-            space.append(Candidate(count, prefetch, persist, pin, per_sample, size))
-    return list(dict.fromkeys(space))
 
 
 class LoaderMeasure:
@@ -335,6 +89,8 @@ class LoaderMeasure:
                 warmup_batches=warmup_batches(candidate.num_workers, candidate.prefetch_factor),
                 burst=burst_size(candidate.num_workers, candidate.prefetch_factor),
                 consume=copy_to(pipeline.device),
+                # Warm-up and bursts included, a candidate costs at most twice its share.
+                max_s=2 * seconds + 0.05,
             )
         return rate.samples_per_s
 
@@ -375,13 +131,25 @@ class TuneResult:
     baseline_pipeline: PipelineFigures | None = None
     winner_pipeline: PipelineFigures | None = None
     rejected: bool = False
+    epochs: int = 1
+    confirmed: dict[Candidate, float] = dataclasses.field(default_factory=dict)
 
     @property
     def pipeline_gain(self) -> float | None:
+        """The speed-up a real run of the configured epochs shows with the winner: both
+        short runs' rates over whole epochs, each epoch's start-up paid as a run pays it."""
         if self.baseline_pipeline is None or self.winner_pipeline is None:
             return None
-        base = self.baseline_pipeline.steady_samples_per_s
-        return self.winner_pipeline.steady_samples_per_s / base if base > 0 else None
+        base = self.baseline_pipeline.run_rate(self.epochs)
+        return self.winner_pipeline.run_rate(self.epochs) / base if base > 0 else None
+
+    @property
+    def predicted_gain(self) -> float | None:
+        """What ``stoker tune`` predicts for training with ``settings``: the confirmed
+        pipeline gain, 1.0 when nothing changes, None when nothing was confirmed."""
+        if not self.settings:
+            return 1.0
+        return self.pipeline_gain
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data: the table rows, the winner, the settings and the confirmation."""
@@ -408,6 +176,8 @@ class TuneResult:
             "final_s": self.final_s,
             "measured_s": self.halving.spent_s,
             "pipeline_gain": self.pipeline_gain,
+            "predicted_gain": self.predicted_gain,
+            "epochs": self.epochs,
             "baseline_pipeline": _asdict(self.baseline_pipeline),
             "winner_pipeline": _asdict(self.winner_pipeline),
             "candidates": rows,
@@ -445,17 +215,24 @@ def tune(
 ) -> TuneResult:
     """Search the loader settings of ``config`` within about ``budget_s`` seconds.
 
+    About 45% of the budget goes to successive halving over the loader alone (cheap:
+    no model), which ranks the candidates; the rest to short training runs of the whole
+    pipeline, the configured settings and the best few candidates, which pick the
+    winner. Its predicted speed-up is the one those runs show over whole epochs.
+
     Args:
         config: The run config.
-        budget_s: Total time to spend (search plus the confirming training runs).
-        batch_size: Also search the batch size (half, same, double, quadruple). It
-            changes optimization, not only speed, so it is off unless asked for.
-        confirm: Confirm the winner against the configured settings with two short
-            training runs; a winner that trains slower than the baseline is rejected.
+        budget_s: Total time to spend, building the pipeline, search and confirming runs.
+        batch_size: Also search the batch size (half, double, quadruple). It changes the
+            optimisation, not only speed, so it is off unless asked for, and a winner
+            with another batch size comes with a note on scaling the learning rate.
+        confirm: Pick the winner by short training runs (off: the fastest loader alone,
+            with no predicted gain).
         user: Python objects in place of config names.
         max_workers: Cap of the worker counts tried (besides the configured one).
         say: Called with a line before each phase (progress for people).
     """
+    started = time.perf_counter()
     say = say or (lambda line: logger.debug(line))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_WORKER_WARNING)
@@ -487,6 +264,9 @@ def tune(
     if batch_size:
         base = loader_cfg.batch_size
         sizes = sorted({max(1, base // 2), base * 2, base * 4} - {base})
+    fetch = measure_fetch(
+        pipeline.train_data, batch_size=loader_cfg.batch_size, collate_fn=None, seconds=0.1
+    )
     space = search_space(
         cores=usable_cores(),
         baseline=baseline,
@@ -494,6 +274,7 @@ def tune(
         batched=batched,
         batch_sizes=sizes,
         max_workers=max_workers,
+        cpu_share=fetch.cpu_share if fetch is not None else None,
     )
     if serves_in_process(pipeline.train_data, batched=batched):
         # Every worker count would measure the same in-process loader (build_loader
@@ -504,113 +285,137 @@ def tune(
             "loader's note): worker counts, prefetch_factor and persistent_workers are "
             "not searched, and num_workers is set to 0"
         )
-    search_budget = budget_s * (0.7 if confirm else 1.0)
+    calibration = None
+    if confirm:
+        # The shortest run of the configured settings first: it times a step of the whole
+        # pipeline (the loader alone does not see compute), which sizes everything after.
+        say("timing a training step of the configured settings")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            calibration = measure_pipeline(config, pipeline, model, steps=warmup_steps(config) + 4)
+    left_s = budget_s - (time.perf_counter() - started)
+    search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
     # Each measurement also pays start-up and warm-up (0.1 s to seconds with many
     # workers); successive halving takes about 1.35 measurements per candidate, and
     # shortens its later rounds when they would overrun.
     overhead_s = 0.3 * 1.35 * len(space)
-    final_s = max(0.5, (search_budget - overhead_s) / halving_cost(len(space)))
+    final_s = max(0.2, (search_budget - overhead_s) / halving_cost(len(space)))
     say(f"{len(space)} candidates, successive halving, {final_s:.1f} s each in the last round")
     measure = LoaderMeasure(config, pipeline)
-    started = time.perf_counter()
+    search_started = time.perf_counter()
     halving = successive_halving(space, measure, final_s=final_s, deadline_s=search_budget)
-    search_s = time.perf_counter() - started
+    search_s = time.perf_counter() - search_started
     winner = halving.winner
-    if winner.per_sample:
-        notes.append("per-sample fetch measured faster than batched fetch for this dataset")
-
-    baseline_run = winner_run = None
-    rejected = False
-    if confirm and winner != baseline:
-        left_s = budget_s - (time.perf_counter() - started)
-        confirm_s = max(0.5, left_s / 3)
-        say(f"confirming: two short training runs of about {confirm_s:.1f} s")
-        batch = first_batch(config, pipeline)
-        compute = measure_compute(
-            model, batch, pipeline.loss_fn, config=config, device=device, seconds=confirm_s / 4
-        ).samples_per_s
-        runs = []
-        for candidate in (baseline, winner):
-            measured = halving.last_trial(candidate)
-            loader_rate = measured.samples_per_s if measured else compute
-            run_config = config_with(config, candidate)
-            data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-                steps = planned_pipeline_steps(
-                    run_config,
-                    pipeline,
-                    model,
-                    seconds=confirm_s,
-                    expected_samples_per_s=min(loader_rate, compute),
-                    dataset=data,
-                )
-                runs.append(
-                    measure_pipeline(
-                        run_config,
-                        pipeline,
-                        model,
-                        steps=steps,
-                        dataset=data,
-                    )
-                )
-        baseline_run, winner_run = runs
-        base_rate, win_rate = baseline_run.steady_samples_per_s, winner_run.steady_samples_per_s
-        if win_rate < 0.95 * base_rate:
-            rejected = True
-            notes.append(
-                f"rejected: the winner's loader is faster alone, but training with it ran "
-                f"{win_rate:,.0f} samples/s vs {base_rate:,.0f} with the current settings "
-                "(compute sets the pace, or the workers take its CPU)"
-            )
-    settings = {} if rejected else _settings(config, baseline, winner, cuda=cuda)
-    return TuneResult(
+    result = TuneResult(
         baseline=baseline,
         winner=winner,
         halving=halving,
-        settings=settings,
-        notes=tuple(notes),
+        settings={},
+        notes=(),
         search_s=search_s,
         final_s=final_s,
-        baseline_pipeline=baseline_run,
-        winner_pipeline=winner_run,
+        epochs=config.train.epochs,
+    )
+    if confirm:
+        deadline = started + 0.95 * budget_s  # a margin: a run can end a little late
+        assert calibration is not None
+        result = confirm_by_training(
+            result, config, pipeline, model, calibration, deadline=deadline, say=say
+        )
+        winner = result.winner
+    if winner.per_sample:
+        notes.append("per-sample fetch measured faster than batched fetch for this dataset")
+    settings = {} if result.rejected else _settings(config, baseline, winner, cuda=cuda)
+    if "batch_size" in settings:
+        old, new = loader_cfg.batch_size, settings["batch_size"]
+        notes.append(
+            f"loader.batch_size {old} -> {new} changes the optimisation, not only the speed: "
+            f"each step averages {new} samples and there are {old / new:.2g}x as many steps "
+            f"per epoch; scale the learning rate with it (linear scaling: optim.lr="
+            f"{config.optim.lr * new / old:.3g}) and compare the loss curves"
+        )
+    return dataclasses.replace(result, settings=settings, notes=(*notes, *result.notes))
+
+
+#: The share of the budget (after building the pipeline) successive halving gets.
+SEARCH_SHARE = 0.45
+#: Candidates besides the configured settings confirmed by short training runs.
+CONFIRMED = 3
+
+
+def confirm_by_training(
+    result: TuneResult,
+    config: RunConfig,
+    pipeline: Pipeline,
+    model: Any,
+    calibration: PipelineFigures,
+    *,
+    deadline: float,
+    say: Callable[[str], None],
+) -> TuneResult:
+    """Short training runs of the configured settings and the best few candidates
+    (by the loader alone), sized to end by ``deadline``; the fastest run wins, and a
+    winner that is not more than 5% faster than the configured settings is rejected."""
+    halving = result.halving
+    ranked = sorted(
+        (c for c in dict.fromkeys(t.candidate for t in halving.trials) if c != result.baseline),
+        key=lambda c: (-(halving.last_trial(c).samples_per_s), c.cost()),  # type: ignore[union-attr]
+    )
+    shortlist = list(dict.fromkeys([result.winner, *ranked]))[:CONFIRMED]
+    shortlist = [c for c in shortlist if c != result.baseline]
+    runs: dict[Candidate, PipelineFigures] = {}
+    order = [result.baseline, *shortlist]
+    say(f"confirming: {len(order)} short training runs")
+    # ``calibration``, the shortest run of the configured settings, sizes every run and
+    # stands for the configured settings when a longer run does not fit.
+    runs[result.baseline] = calibration
+    per_step_s = calibration.epoch_s / max(calibration.steps, 1)
+    overhead_s = max(0.0, calibration.wall_s - calibration.epoch_s)
+    for index, candidate in enumerate(order):
+        left = deadline - time.perf_counter()
+        # What is left, shared by the runs still to go; each run also pays its set-up.
+        seconds = left / (len(order) - index) - overhead_s
+        run_config = config_with(config, candidate)
+        fewest = warmup_steps(run_config) + 4
+        if seconds < fewest * per_step_s * candidate_scale(run_config, config):
+            continue  # does not fit: a run past the deadline would break the budget
+        data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
+        scale = candidate_scale(run_config, config)
+        steps = max(fewest, int(seconds / (per_step_s * scale)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            runs[candidate] = measure_pipeline(
+                run_config, pipeline, model, steps=steps, dataset=data
+            )
+        if candidate == result.baseline:
+            per_step_s = runs[candidate].epoch_s / max(runs[candidate].steps, 1)
+    base = runs[result.baseline]
+    epochs = result.epochs
+    rates = {c: f.run_rate(epochs) for c, f in runs.items()}
+    best = max(rates, key=lambda c: (rates[c], -sum(map(float, c.cost()[:1]))))
+    notes: list[str] = []
+    rejected = best == result.baseline or rates[best] <= 1.05 * rates[result.baseline]
+    if rejected and best != result.baseline:
+        notes.append(
+            f"no change: the best candidate trained at {rates[best]:,.0f} samples/s vs "
+            f"{rates[result.baseline]:,.0f} with the current settings (not 5% faster)"
+        )
+    elif rejected:
+        notes.append("no change: the current settings trained fastest")
+    return dataclasses.replace(
+        result,
+        winner=best if not rejected else result.winner,
+        baseline_pipeline=base,
+        winner_pipeline=runs[best],
         rejected=rejected,
+        notes=tuple(notes),
+        confirmed={c: rates[c] / rates[result.baseline] for c in runs},
     )
 
 
+def candidate_scale(candidate_config: RunConfig, config: RunConfig) -> float:
+    """A step's cost relative to the configured one (by batch size)."""
+    return candidate_config.loader.batch_size / config.loader.batch_size
+
+
 # --- writing the winner into the config ------------------------------------------------
-
-
-def write_loader_settings(
-    path: str | Path, settings: Mapping[str, Any]
-) -> dict[str, tuple[Any, Any]]:
-    """Set ``loader.<key>`` in the YAML file at ``path``; every other key stays as loaded.
-
-    The file is rewritten with ``yaml.safe_dump`` (comments are not kept), and only
-    after the result validates as a run config.
-
-    Returns:
-        ``{key: (old, new)}`` for each key that changed (old is the default when absent).
-    """
-    path = Path(path)
-    raw = load_yaml(path)
-    loader = raw.get("loader")
-    if loader is None:
-        loader = {}
-    if not isinstance(loader, dict):
-        raise ConfigError(f"{path}: `loader` is a {type(loader).__name__}, not a section")
-    defaults = LoaderConfig().model_dump()
-    changes: dict[str, tuple[Any, Any]] = {}
-    for key, value in settings.items():
-        if key not in LoaderConfig.model_fields:
-            raise ConfigError(f"loader.{key} is not a loader setting")
-        old = loader.get(key, defaults.get(key))
-        if old != value:
-            loader[key] = value
-            changes[key] = (old, value)
-    if not changes:
-        return changes
-    raw["loader"] = loader
-    validate_config(raw, source=str(path))
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return changes
