@@ -39,9 +39,10 @@ browser:
 # (on 2 cores: 10 min 22 s with 2 workers, 7 min 45 s with 3); idle workers take queued
 # tests from busy ones (worksteal), so the long end-to-end runs do not all end on one.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
+# (`python -m stoker.reference --check` is not repeated here: tests/unit/test_reference.py
+# checks the committed references, and runs that very command once.)
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m stoker.reference --check
 	$(VENV)/bin/mkdocs build --strict -q -d $$(mktemp -d)
 	$(VENV)/bin/pytest -m "not slow" -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
