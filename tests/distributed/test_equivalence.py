@@ -26,11 +26,16 @@ def step_losses(run_dir):
     ]
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_stoker, shuffle):
-    """Shuffled or not, each rank takes every 2nd sample of the same order."""
+@pytest.mark.parametrize(("shuffle", "accum"), [(True, 1), (False, 2)])
+def test_two_ranks_of_32_equal_one_process_of_64(
+    tmp_path, write_config, run_stoker, shuffle, accum
+):
+    """Shuffled or not, each rank takes every 2nd sample of the same order; with gradient
+    accumulation too (DDP's no_sync on every micro-batch but a step's last)."""
     config = write_config(
-        data={"val_fraction": 0.2}, train={"epochs": 3}, loader={"shuffle": shuffle}
+        data={"val_fraction": 0.2},
+        train={"epochs": 3, "grad_accum_steps": accum},
+        loader={"shuffle": shuffle},
     )
     ddp, single = tmp_path / "ddp", tmp_path / "single"
 
@@ -61,7 +66,7 @@ def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_sto
     # Step-level records too: the loss averaged over the ranks is the whole batch's.
     ddp_steps, one_steps = step_losses(ddp), step_losses(single)
     assert [step for step, _ in ddp_steps] == [step for step, _ in one_steps]
-    assert len(ddp_steps) == 12  # 4 steps an epoch, 3 epochs, each recorded
+    assert len(ddp_steps) == 12 // accum  # 4 batches an epoch, 3 epochs, each step recorded
     for (_, reduced), (_, whole) in zip(ddp_steps, one_steps, strict=True):
         assert reduced == pytest.approx(whole, rel=1e-5)
     # Training moved the model (the comparison is not of two untouched models).
