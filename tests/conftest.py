@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import random
-
-import numpy as np
 import pytest
 import torch
+
+from stoker_cli import process_state_kept
 
 
 @pytest.fixture(autouse=True)
@@ -19,23 +17,8 @@ def isolated_process_state():
     directory: restored after each test, no result can depend on which tests ran before
     it, or in which order (the suite also runs split over pytest-xdist workers).
     """
-    torch_rng = torch.get_rng_state()
-    numpy_rng = np.random.get_state()
-    python_rng = random.getstate()
-    threads = torch.get_num_threads()
-    environ = dict(os.environ)
-    cwd = os.getcwd()
-    yield
-    torch.set_rng_state(torch_rng)
-    np.random.set_state(numpy_rng)
-    random.setstate(python_rng)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    if os.environ != environ:
-        os.environ.clear()
-        os.environ.update(environ)
-    if os.getcwd() != cwd:
-        os.chdir(cwd)
+    with process_state_kept():
+        yield
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from stoker.checkpoint import load_checkpoint
+from stoker_cli import run_cli
 
 pytestmark = pytest.mark.distributed
 CASE = Path(__file__).with_name("case.py")
@@ -49,9 +50,12 @@ def step_losses(run_dir):
     ]
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_stoker, shuffle):
-    """Shuffled or not, each rank takes every 2nd sample of the same order."""
+@pytest.mark.parametrize(("shuffle", "accum"), [(True, 1), (False, 2)])
+def test_two_ranks_of_32_equal_one_process_of_64(
+    tmp_path, write_config, run_stoker, shuffle, accum
+):
+    """Shuffled or not, each rank takes every 2nd sample of the same order; with gradient
+    accumulation too (DDP's no_sync on every micro-batch but a step's last)."""
     config = write_config(
         # A test set (the whole 320 samples), and metrics that need the whole set's counts.
         data={"val_fraction": 0.2, "test": {"name": f"{CASE}:samples"}},
@@ -59,6 +63,7 @@ def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_sto
         checkpoint={"enabled": True},
         train={
             "epochs": 3,
+            "grad_accum_steps": accum,
             "metrics": ["f1", "precision", "recall"],
             "monitor": "val/loss",
             "monitor_mode": "max",
@@ -69,8 +74,9 @@ def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_sto
 
     two = run_stoker("train", str(config), "--nproc", "2", "--run-dir", str(ddp), "--quiet")
     assert two.returncode == 0, two.stderr
-    one = run_stoker(
-        "train", str(config), "loader.batch_size=64", "--run-dir", str(single), "--quiet"
+    # The one process runs in this one (one intra-op thread, as the ranks have).
+    one = run_cli(
+        "train", config, "loader.batch_size=64", "--run-dir", single, "--quiet", threads=1
     )
     assert one.returncode == 0, one.stderr
 
@@ -103,7 +109,7 @@ def test_two_ranks_of_32_equal_one_process_of_64(tmp_path, write_config, run_sto
     # Step-level records too: the loss averaged over the ranks is the whole batch's.
     ddp_steps, one_steps = step_losses(ddp), step_losses(single)
     assert [step for step, _ in ddp_steps] == [step for step, _ in one_steps]
-    assert len(ddp_steps) == 12  # 4 steps an epoch, 3 epochs, each recorded
+    assert len(ddp_steps) == 12 // accum  # 4 batches an epoch, 3 epochs, each step recorded
     for (_, reduced), (_, whole) in zip(ddp_steps, one_steps, strict=True):
         assert reduced == pytest.approx(whole, rel=1e-5)
     # Training moved the model (the comparison is not of two untouched models).

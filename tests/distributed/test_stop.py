@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stoker_cli import run_cli
+
 pytestmark = pytest.mark.distributed
 
 
@@ -53,7 +55,8 @@ def test_sigterm_stops_all_ranks_at_one_step_and_the_resume_is_exact(
     assert f"--nproc 2 --resume {run_dir}" in output
 
     # On another number of processes the resume could not be exact: refused, naming why.
-    alone = run_stoker("train", str(config), "--resume", str(run_dir), "--quiet")
+    # (In-process: it is refused before anything runs.)
+    alone = run_cli("train", config, "--resume", run_dir, "--quiet")
     assert alone.returncode != 0
     assert "world size (processes): 2 in the checkpoint, 1 now" in alone.stderr
 

@@ -8,7 +8,6 @@ import copy
 import json
 import math
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
+from stoker_cli import run_cli
 
 NAN, INF = float("nan"), float("inf")
 # 256 samples / 32 per step: 8 steps an epoch, in order (no shuffle), so a step is a batch.
@@ -440,12 +440,9 @@ def _cli_config(tmp_path: Path, *, nan_at: int) -> Path:
 
 
 def _stoker(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stoker.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # The CLI's main in-process (tests/stoker_cli.py): its exit code and stderr are what a
+    # fresh process gives; the process path of `stoker train` is tested in tests/integration.
+    return run_cli(*args)
 
 
 def test_cli_halts_with_exit_code_1_and_skips_when_asked(tmp_path) -> None:

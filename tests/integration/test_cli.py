@@ -1,4 +1,5 @@
-"""The `stoker` CLI run as a subprocess, as a user would."""
+"""The `stoker` CLI as a user runs it: a subprocess for the demo, a missing config and
+``--debug``; the other cases run the same ``main`` in-process (tests/stoker_cli.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from stoker_cli import run_cli
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "digits.yaml"
@@ -51,7 +54,7 @@ def test_tensorboard_scalars_are_readable(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "tb-run"
-    done = stoker("train", str(EXAMPLE), "train.epochs=2", "--run-dir", str(run_dir), "--quiet")
+    done = run_cli("train", str(EXAMPLE), "train.epochs=2", "--run-dir", str(run_dir), "--quiet")
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
     events = EventAccumulator(str(run_dir / "tb"))
@@ -65,11 +68,11 @@ def test_resume_continues_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
     # A cosine of a fixed length: one over the whole run could not be extended exactly.
     fixed = "schedule.total_steps=30"
-    first = stoker(
+    first = run_cli(
         "train", str(EXAMPLE), "train.epochs=1", fixed, "--run-dir", str(run_dir), "--quiet"
     )
     assert first.returncode == 0, first.stderr
-    second = stoker(
+    second = run_cli(
         "train",
         str(EXAMPLE),
         "train.epochs=2",
@@ -110,7 +113,9 @@ def test_resume_continues_the_run(tmp_path: Path) -> None:
     ],
 )
 def test_errors_are_one_clear_message_without_traceback(tmp_path, args, expected) -> None:
-    done = stoker(*args, "--run-dir", str(tmp_path / "x"), cwd=tmp_path)
+    # The first case in a real process (nothing else on its stderr), the rest in-process.
+    run = stoker if args == ["train", "missing.yaml"] else run_cli
+    done = run(*args, "--run-dir", str(tmp_path / "x"), cwd=tmp_path)
     assert done.returncode != 0
     assert expected in done.stderr
     assert "Traceback" not in done.stderr

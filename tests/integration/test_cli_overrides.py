@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +16,10 @@ from stoker.cli.main import main
 from stoker.components import build_datasets
 from stoker.config import load_config
 from stoker.errors import DataError
+from stoker_cli import run_cli
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "digits.yaml"
-STOKER = [sys.executable, "-m", "stoker.cli.main"]
 MODELS = """\
 from torch import nn
 
@@ -57,8 +55,9 @@ def make_project(root: Path) -> Path:
     return root
 
 
-def stoker(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STOKER, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+# In-process (tests/stoker_cli.py): the subprocess path of `stoker train` is tested in
+# test_cli.py and the zoo tests; here it would add ~4 s of start-up to each run.
+stoker = run_cli
 
 
 def epoch_records(run_dir: Path) -> list[dict]:

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stoker_cli import run_cli
+
 
 def stoker(*args: str) -> subprocess.CompletedProcess[str]:
+    """The user's path: a fresh ``python -m stoker`` (one per subcommand is enough)."""
     return subprocess.run(
         [sys.executable, "-m", "stoker.cli.main", *args],
         capture_output=True, text=True, timeout=300,
@@ -51,11 +54,12 @@ def test_convert_then_inspect_parquet_and_npy(tmp_path: Path, csv_file: Path) ->
     assert "samples:     300" in shown.stdout and "label: int64" in shown.stdout
     assert "fingerprint:" in shown.stdout and "[0]" in shown.stdout
 
-    done = stoker(
+    # The same two subcommands in-process: the subprocess above already took the user's path.
+    done = run_cli(
         "data", "convert", str(csv_file), str(tmp_path / "npy"), "--to", "npy", "--target", "label"
     )
     assert done.returncode == 0, done.stderr
-    shown = stoker("data", "inspect", str(tmp_path / "npy"))
+    shown = run_cli("data", "inspect", str(tmp_path / "npy"))
     assert "features: float32 [4] per sample" in shown.stdout
     assert "target: int64 [] per sample" in shown.stdout
 
@@ -67,13 +71,13 @@ def test_inspect_an_image_folder(tmp_path: Path) -> None:
             Image.new("RGB", (8, 8), color=(i * 40, 10, 200)).save(
                 tmp_path / "img" / label / f"{i}.png"
             )
-    shown = stoker("data", "inspect", str(tmp_path / "img"))
+    shown = run_cli("data", "inspect", str(tmp_path / "img"))
     assert shown.returncode == 0, shown.stderr
     assert "(image folder)" in shown.stdout and "cat: 3 images" in shown.stdout
 
 
 def test_inspect_missing_path_is_a_clear_error(tmp_path: Path) -> None:
-    done = stoker("data", "inspect", str(tmp_path / "nothing.parquet"))
+    done = run_cli("data", "inspect", str(tmp_path / "nothing.parquet"))
     assert done.returncode == 1 and "does not exist" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -84,7 +88,7 @@ def test_a_config_can_point_at_each_file_source(tmp_path: Path, csv_file: Path, 
         args = {"path": str(csv_file), "target": "label"}
     else:
         out = tmp_path / ("t.parquet" if source == "parquet" else "npy")
-        stoker("data", "convert", str(csv_file), str(out), "--to", source, "--target", "label")
+        run_cli("data", "convert", str(csv_file), str(out), "--to", source, "--target", "label")
         args = {"path": str(out), "target": "label"} if source == "parquet" else {"path": str(out)}
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({
@@ -92,7 +96,7 @@ def test_a_config_can_point_at_each_file_source(tmp_path: Path, csv_file: Path, 
         "data": {"train": {"name": source, "args": args}, "val_fraction": 0.2},
         "train": {"epochs": 2}, "tracking": {"tensorboard": False},
     }))  # fmt: skip
-    done = stoker("train", str(config), "--run-dir", str(tmp_path / "run"), "--quiet")
+    done = run_cli("train", str(config), "--run-dir", str(tmp_path / "run"), "--quiet")
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["epoch"] for r in records if "val/loss" in r] == [1, 2]
@@ -111,12 +115,12 @@ def test_skipped_bad_rows_are_logged_in_the_run_dir(tmp_path: Path, csv_file: Pa
                  "bad_records": "skip"},
         "train": {"epochs": 1}, "tracking": {"tensorboard": False},
     }))  # fmt: skip
-    done = stoker("train", str(config), "--run-dir", str(tmp_path / "run"), "--quiet")
+    done = run_cli("train", str(config), "--run-dir", str(tmp_path / "run"), "--quiet")
     assert done.returncode == 0, done.stderr
     bad = [json.loads(line) for line in (tmp_path / "run" / "bad_records.jsonl").open()]
     assert len(bad) == 1 and bad[0]["location"] == "line 6" and "oops" in bad[0]["reason"]
 
-    strict = stoker(
+    strict = run_cli(
         "train", str(config), "data.bad_records=error", "--run-dir", str(tmp_path / "run2")
     )
     assert strict.returncode == 1

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stoker_cli import run_cli
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
@@ -112,7 +114,8 @@ def test_doctor_prints_a_table_and_the_verdict(tmp_path: Path) -> None:
 def test_doctor_reports_bad_input_without_a_traceback(tmp_path: Path, bad: list[str]) -> None:
     config = tmp_path / "heavy.yaml"
     config.write_text(yaml.safe_dump(case_config("heavy_model", str(HERE / "doctor_cases.py"))))
-    done = doctor(config, *bad)
+    # In-process: refused before anything is measured (the cases above are real processes).
+    done = run_cli("doctor", config, *bad, cwd=config.parent)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "stoker: error:" in done.stderr

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker_cli import run_cli
+
 MODELS = '''
 from torch import nn
 
@@ -52,7 +54,8 @@ def train(project: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_layer_that_does_not_fit_ends_in_one_message(project: Path) -> None:
-    done = train(project)
+    # In-process: the same main and stderr; the --debug test below is the real process.
+    done = run_cli("train", "config.yaml", "--run-dir", project / "run", "--quiet", cwd=project)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("stoker: error:")]

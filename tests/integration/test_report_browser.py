@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from PIL import Image
 
 from stoker.observe.report import write_report
+from stoker_cli import run_cli
 
 # Chart colors (report_charts.py): train blue, val orange, data-wait red (at least in the
 # legend); the phase-time bars fill a large area with the phase colors.
@@ -20,7 +20,6 @@ TRAIN_BLUE = (31, 119, 180)
 VAL_ORANGE = (255, 127, 14)
 DATA_WAIT_RED = (214, 39, 40)
 PHASE_COLORS = (DATA_WAIT_RED, VAL_ORANGE, TRAIN_BLUE, (44, 160, 44), (148, 103, 189))
-STOKER = (sys.executable, "-m", "stoker.cli.main")
 
 
 def find_chromium() -> str:
@@ -68,13 +67,10 @@ class _Paths(HTMLParser):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    find_chromium()  # no browser, no run to show it
     run_dir = tmp_path_factory.mktemp("browser") / "run"
-    done = subprocess.run(
-        [*STOKER, "demo", "--epochs", "2", "--run-dir", str(run_dir), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # In-process (test_cli.py runs the demo as a fresh process); process state restored.
+    done = run_cli("demo", "--epochs", "2", "--run-dir", run_dir, "--quiet")
     assert done.returncode == 0, done.stderr
     return write_report(run_dir)
 

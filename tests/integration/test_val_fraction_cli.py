@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from stoker.data import split_dataset
+from stoker_cli import run_cli
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -40,7 +41,8 @@ def test_bucketed_jsonl_with_val_fraction_logs_each_bad_line_once(tmp_path: Path
         "loader": {"batch_size": 16, "sampler": "bucket", "collate_fn": "pad"},
         "train": {"epochs": 2}, "tracking": {"tensorboard": False},
     }))  # fmt: skip
-    done = stoker("train", str(config), "--quiet", "--run-dir", str(tmp_path / "run"))
+    # In-process: stderr holds stoker's log lines as the CLI's process writes them.
+    done = run_cli("train", str(config), "--quiet", "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     epochs = [r for r in records if "val/loss" in r]

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,18 +17,19 @@ import pytest
 from PIL import Image
 
 from stoker.errors import DataError
+from stoker_cli import run_cli
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "images"
 
 
 def stoker(*args: str) -> subprocess.CompletedProcess[str]:
-    # One intra-op thread: the suite runs a pytest worker per core, and these small convs
-    # on two threads of a busy core were measured 5-10x slower (each op waits for both).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "stoker.cli.main", *args],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    """The CLI in-process (tests/stoker_cli.py): a fresh interpreter would add only its
+    start-up; `stoker train` and `stoker data inspect` as processes are tested elsewhere.
+
+    One intra-op thread: the suite runs a pytest worker per core, and these small convs
+    on two threads of a busy core were measured 5-10x slower (each op waits for both).
+    """
+    return run_cli(*args, threads=1)
 
 
 def train(config: str, run_dir: Path, *overrides: str) -> list[dict]:
