@@ -29,24 +29,26 @@ def test_a_forked_worker_does_not_keep_the_lock_when_its_parent_dies(tmp_path: P
     """A DataLoader worker forked while the lock is held, orphaned by a kill -9 of the
     training process, must not keep the run dir locked: an immediate resume gets it."""
     lock = FolderLock(tmp_path)
-    ready_r, ready_w = os.pipe()
+    # Two pipes, one per direction: with one, the child could read back its own byte.
+    ready_r, ready_w = os.pipe()  # child -> test: "forked"
+    done_r, done_w = os.pipe()  # test -> child: "you may exit"
     pid = os.fork()
     if pid == 0:  # the "worker": outlives its parent for a while
         os.write(ready_w, b"x")
-        os.read(ready_r, 1)  # blocks until the test is done
+        os.read(done_r, 1)  # blocks until the test is done
         os._exit(0)
     try:
-        os.read(ready_r, 1)
+        assert os.read(ready_r, 1) == b"x"
         # The training process dies without unlocking: its copy of the fd just closes.
         assert lock._finalizer is not None
         lock._finalizer.detach()
         os.close(lock._fd)  # type: ignore[arg-type]
         FolderLock(tmp_path).release()  # before: "locked by pid …, which has exited"
     finally:
-        os.write(ready_w, b"x")
+        os.write(done_w, b"x")
         os.waitpid(pid, 0)
-        os.close(ready_r)
-        os.close(ready_w)
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)
 
 
 def test_the_already_a_run_hint_quotes_the_run_dir(tmp_path: Path) -> None:
