@@ -65,6 +65,27 @@ def test_help_version_config_report_and_completion_do_not_import_torch(tmp_path:
     assert (run_dir / "report.html").is_file()
 
 
+def test_data_inspect_of_csv_parquet_and_npy_does_not_import_torch(tmp_path: Path) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = np.arange(12, dtype=np.float32).reshape(6, 2)
+    (tmp_path / "small.csv").write_text("a,b\n" + "".join(f"{a},{b}\n" for a, b in values))
+    pq.write_table(pa.table({"a": values[:, 0], "b": values[:, 1]}), tmp_path / "small.parquet")
+    np.save(tmp_path / "small.npy", values)
+    names = ("small.csv", "small.parquet", "small.npy")
+    argvs = [["data", "inspect", str(tmp_path / name)] for name in names]
+    script = _SCRIPT.replace("ARGVS", repr(argvs))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["codes"].values()) == {0}, result["codes"]
+    assert "torch" not in result["heavy"], f"imported by data inspect: {result['heavy']}"
+
+
 def test_the_package_loads_its_names_on_first_use() -> None:
     assert stoker.__all__ == sorted(stoker.__all__)
     assert set(stoker.__all__) == {*stoker._EXPORTS, "__version__"}

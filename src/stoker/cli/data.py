@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -81,18 +82,30 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from stoker.data.fingerprint import fingerprint_dataset, fingerprint_files
+    from stoker.cli.data_light import open_light
+    from stoker.data.digests import fingerprint_files
 
     path = Path(args.path)
     if not path.exists():
         raise DataError(f"{path} does not exist", hint="give a file or folder of data")
-    dataset, kind, schema, details = open_for_inspection(path)
-    size = sum(f.stat().st_size for f in _files(path))
-    fingerprint = fingerprint_dataset(dataset, full=args.full)
-    if fingerprint.kind == "unknown":
-        fingerprint = fingerprint_files(path, full=args.full)
+    # CSV, Parquet and .npy in the common case without torch (see stoker.cli.data_light).
+    light = open_light(path, args.rows, {p.suffix for p in _files(path)})
+    if light is not None:
+        kind, length, schema, details = light.kind, light.length, light.schema, []
+        sample = light.samples.__getitem__
+        size = sum(f.stat().st_size for f in _files(path))
+        fingerprint = fingerprint_files(light.paths, full=args.full, num_samples=length)
+    else:
+        from stoker.data.fingerprint import fingerprint_dataset
+
+        dataset, kind, schema, details = open_for_inspection(path)
+        length, sample = len(dataset), dataset.__getitem__
+        size = sum(f.stat().st_size for f in _files(path))
+        fingerprint = fingerprint_dataset(dataset, full=args.full)
+        if fingerprint.kind == "unknown":
+            fingerprint = fingerprint_files(path, full=args.full)
     print(f"{path}  ({kind})")
-    print(f"  samples:     {len(dataset):,}")
+    print(f"  samples:     {length:,}")
     print(f"  size:        {_human(size)} on disk")
     print(f"  fingerprint: {fingerprint.short} ({fingerprint.mode})")
     print("  schema:")
@@ -100,11 +113,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"    {name}: {description}")
     for line in details:
         print(f"  {line}")
-    rows = min(args.rows, len(dataset))
+    rows = min(args.rows, length)
     if rows:
         print(f"  first {rows} sample{'s' * (rows != 1)}:")
         for index in range(rows):
-            print(f"    [{index}] {_show(dataset[index])}")
+            print(f"    [{index}] {_show(sample(index))}")
     return 0
 
 
@@ -229,14 +242,14 @@ def _files(path: Path) -> list[Path]:
 
 
 def _show(sample: Any, width: int = 100) -> str:
-    import torch
+    from stoker.cli.data_light import is_array
 
     parts = sample if isinstance(sample, tuple) else (sample,)
     shown = []
     for part in parts:
-        if isinstance(part, torch.Tensor):
-            values = ", ".join(f"{v:.4g}" for v in part.flatten()[:8].tolist())
-            more = "…" if part.numel() > 8 else ""
+        if is_array(part):  # a tensor, or a numpy array from stoker.cli.data_light
+            values = ", ".join(f"{v:.4g}" for v in part.reshape(-1)[:8].tolist())
+            more = "…" if math.prod(part.shape) > 8 else ""
             shown.append(f"[{values}{more}]" if part.ndim else values)
         else:
             shown.append(repr(part))

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from stoker.data.csv_layout import check_policy, resolve_columns
 from stoker.data.memmap import normalize_indices
+from stoker.data.parquet_files import _parquet_files, require_pyarrow
 from stoker.data.records import BadRecordPolicy, BadSample, FilteredBatch, bad_record, first_sample
-from stoker.data.tabular import as_batch, check_policy, resolve_columns
+from stoker.data.tabular import as_batch
 from stoker.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -24,46 +26,6 @@ if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
 __all__ = ["ParquetDataset", "require_pyarrow"]
-
-
-def require_pyarrow(what: str) -> tuple[ModuleType, ModuleType]:
-    """Import ``pyarrow`` and ``pyarrow.parquet``, or say how to install them.
-
-    Not ``pyarrow.compute``: its wrappers cost ~10 MiB of RSS, and the casts that need
-    it (``ChunkedArray.cast``, ``fill_null``) import it themselves when a file has such
-    columns.
-
-    Raises:
-        ConfigError: pyarrow is not installed; the hint names the ``parquet`` extra.
-    """
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError as error:
-        raise ConfigError(
-            f"{what} needs pyarrow, which is not installed.",
-            hint="pip install 'stoker[parquet]'",
-        ) from error
-    return pyarrow, pyarrow.parquet
-
-
-def _parquet_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(path.glob("*.parquet"), key=lambda p: p.name)
-        if not files:
-            raise DataError(
-                f"Parquet folder {path} holds no *.parquet files.",
-                hint="point data.path at a .parquet file or a folder of them",
-            )
-        return files
-    if not path.is_file():
-        raise DataError(
-            f"Parquet path {path.absolute()} does not exist; expected a .parquet file or a "
-            "folder of them.",
-            hint="check the path: in a run config a relative path is taken from the config "
-            "file's folder, in stoker.fit from the working directory",
-        )
-    return [path]
 
 
 def _kind(pa: ModuleType, dtype: pa.DataType) -> str:
