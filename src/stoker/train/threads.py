@@ -56,7 +56,8 @@ def use_threads(setting: ThreadsSetting, *, num_workers: int) -> Threads:
     previous = torch.get_num_threads()
     count, reason = choose_threads(setting, num_workers=num_workers)
     torch.set_num_threads(count)
-    logger.info("torch threads: %d (%s)", count, reason)
+    # Recorded in environment.json; a line on stderr would read as part of an error.
+    logger.debug("torch threads: %d (%s)", count, reason)
     return Threads(count, reason, previous)
 
 
