@@ -76,6 +76,12 @@ def _steps_logged(run_dir: Path) -> int:
         return 0
 
 
+def _group(pgid: int) -> list[str]:
+    """The processes of a process group: the run and its loader workers."""
+    listed = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return listed.stdout.split()
+
+
 def _final_state(run_dir: Path) -> dict:
     bundle = load_checkpoint(find_latest(run_dir / "checkpoints"))
     keys = ("model", "optimizer", "scheduler", "train_state", "rng")
@@ -90,12 +96,13 @@ def test_group_sigterm_with_workers_stops_cleanly_and_resumes_bitwise(
     reference = _start(config, "--run-dir", tmp_path / "reference")
     stopped = _start(config, "--run-dir", run_dir)
     deadline = time.monotonic() + 120
-    while _steps_logged(run_dir) < 3 and stopped.poll() is None:
-        assert time.monotonic() < deadline, "the run logged no step"
+    workers: list[str] = []
+    # Signal the group only once steps are logged and the loader workers are up (their
+    # start and the first records race each other on an idle machine).
+    while (_steps_logged(run_dir) < 3 or len(workers) < 3) and stopped.poll() is None:
+        assert time.monotonic() < deadline, f"no steps with workers: {len(workers)} processes"
         time.sleep(0.05)
-    workers = subprocess.run(
-        ["pgrep", "-g", str(stopped.pid)], capture_output=True, text=True
-    ).stdout.split()
+        workers = _group(stopped.pid)
     os.killpg(stopped.pid, signal.SIGTERM)
     code, err = _finish(stopped)
 

@@ -42,10 +42,10 @@ def doctor(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def run_case(case: str, tmp_path: Path) -> dict:
+def run_case(case: str, tmp_path: Path, *args: str) -> dict:
     config = tmp_path / f"{case}.yaml"
     config.write_text(yaml.safe_dump(case_config(case, str(HERE / "doctor_cases.py"))))
-    done = doctor(config, "--json", "--seconds", SECONDS)
+    done = doctor(config, "--json", "--seconds", SECONDS, *args)
     assert done.returncode == 0, done.stderr
     document = json.loads(done.stdout)  # one JSON document, nothing else on stdout
     assert document["verdict"] == CASES[case][3], (document["verdict"], document["reason"])
@@ -69,7 +69,8 @@ def test_slow_getitem_is_input_bound(tmp_path: Path) -> None:
 
 
 def test_tiny_model_fed_sample_by_sample_is_loader_overhead(tmp_path: Path) -> None:
-    document = run_case("tiny_model_per_sample", tmp_path)
+    # The verdict and its code advice need no confirming runs nor a long worker sweep.
+    document = run_case("tiny_model_per_sample", tmp_path, "--no-confirm", "--max-workers", "2")
     m = document["measurements"]
     assert m["returns_batches"] is False
     assert m["fetch"]["per_sample_s"] < 50e-6  # each sample is cheap...
@@ -79,7 +80,7 @@ def test_tiny_model_fed_sample_by_sample_is_loader_overhead(tmp_path: Path) -> N
 
 
 def test_heavy_model_on_in_memory_arrays_is_compute_bound(tmp_path: Path) -> None:
-    document = run_case("heavy_model", tmp_path)
+    document = run_case("heavy_model", tmp_path, "--no-confirm", "--max-workers", "2")
     m = document["measurements"]
     assert m["returns_batches"] is True
     assert m["pipeline"]["steady_data_wait_fraction"] < 0.05
@@ -103,7 +104,7 @@ def test_more_workers_than_cores_is_oversubscribed(tmp_path: Path) -> None:
 def test_doctor_prints_a_table_and_the_verdict(tmp_path: Path) -> None:
     config = tmp_path / "heavy.yaml"
     config.write_text(yaml.safe_dump(case_config("heavy_model", str(HERE / "doctor_cases.py"))))
-    done = doctor(config, "--seconds", "0.2", "--max-workers", "1")
+    done = doctor(config, "--seconds", "0.2", "--max-workers", "1", "--no-confirm")
     assert done.returncode == 0, done.stderr
     for text in ("loader (0 workers)", "compute", "pipeline", "vs pipeline", "verdict:", "fix:"):
         assert text in done.stdout
