@@ -8,7 +8,7 @@ import inspect
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from stoker.errors import ConfigError, DataError
 from stoker.examples.datasets import DATASETS as EXAMPLE_DATASETS
 from stoker.examples.models import MODELS
 from stoker.train import losses
+
+if TYPE_CHECKING:
+    from stoker.train.metrics import Task
 
 #: The built-in losses. The elementwise ones align ``(N, 1)`` outputs with ``(N,)``
 #: targets and refuse shapes that would broadcast (see ``stoker.train.losses``).
@@ -38,6 +41,18 @@ COLLATES: dict[str, Callable[..., Any]] = {"pad": PadCollate}
 DATASETS: dict[str, Callable[..., Any]] = {**SOURCES, **EXAMPLE_DATASETS}
 CLASSIFICATION_LOSSES = frozenset({"cross_entropy", "nll", "bce_with_logits"})
 REGRESSION_LOSSES = frozenset({"mse", "l1", "smooth_l1", "huber"})
+
+
+def task_of(config: RunConfig) -> Task | None:
+    """The run's task (``train.task``, else by the loss): training and a trained run's
+    evaluate/predict must agree on it."""
+    if config.train.task != "auto":
+        return config.train.task
+    if config.loss.name in CLASSIFICATION_LOSSES:
+        return "classification"
+    if config.loss.name in REGRESSION_LOSSES:
+        return "regression"
+    return None
 
 
 def resolve_callable(

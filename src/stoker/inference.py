@@ -31,7 +31,6 @@ from stoker.errors import CheckpointError, ConfigError, DataError
 from stoker.predictions import PredictionWriter, open_writer
 from stoker.train.batch import forward
 from stoker.train.evaluate import evaluate
-from stoker.train.metrics import Task
 from stoker.train.precision import build_precision
 
 __all__ = ["Weights", "evaluate_run", "find_weights", "load_model", "load_run_config", "predict"]
@@ -216,7 +215,7 @@ def evaluate_run(
         components.build_loss(config),
         device=device_,
         precision=build_precision(config.train, device_),
-        task=task_of(config),
+        task=components.task_of(config),
         prefix="eval",
         ignore_index=ignore,
     )
@@ -271,7 +270,7 @@ def predict(
     loader = _loader(config, dataset, device=device_, batch_size=batch_size)
     classes = getattr(dataset, "classes", None)
     writer: PredictionWriter = writer_type(
-        Path(out), task=task_of(config), classes=classes, rows=_length(dataset)
+        Path(out), task=components.task_of(config), classes=classes, rows=_length(dataset)
     )
     with writer, torch.inference_mode():
         for batch in _with_bar(loader, show=progress, what=f"predicting {Path(data).name}"):
@@ -339,17 +338,6 @@ def _loader(
         timeout_s=loader.timeout_s,
         split_across_ranks=False,
     )
-
-
-def task_of(config: RunConfig) -> Task | None:
-    """The run's task, as its training run decided it (``train.task``, else by the loss)."""
-    if config.train.task != "auto":
-        return config.train.task
-    if config.loss.name in components.CLASSIFICATION_LOSSES:
-        return "classification"
-    if config.loss.name in components.REGRESSION_LOSSES:
-        return "regression"
-    return None
 
 
 def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:

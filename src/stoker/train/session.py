@@ -47,7 +47,6 @@ from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
 from stoker.train.metric_set import Metrics, monitor_mode
-from stoker.train.metrics import Task
 from stoker.train.model_errors import config_hints
 from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
@@ -325,7 +324,7 @@ def _train_run(
         clipper=parts.clipper,
         loss_fn=loss_fn,
         loss_name=config.loss.name,
-        task="none" if step_fn is not None else _task(config),
+        task="none" if step_fn is not None else components.task_of(config),
         train_loader=loop_loader,
         val_loader=val_loader,
         device=device,
@@ -522,16 +521,6 @@ def _step_fns(config: RunConfig, user: UserComponents) -> tuple[Any, Any]:
             hint="set loss.normalize=samples; average over tokens inside the step_fn",
         )
     return step_fn, eval_fn
-
-
-def _task(config: RunConfig) -> Task | None:
-    if config.train.task != "auto":
-        return config.train.task
-    if config.loss.name in components.CLASSIFICATION_LOSSES:
-        return "classification"
-    if config.loss.name in components.REGRESSION_LOSSES:
-        return "regression"
-    return None
 
 
 def _monitor(config: RunConfig, *, has_val: bool, metrics: Metrics | None = None) -> Monitor:
