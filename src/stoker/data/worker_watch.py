@@ -85,6 +85,27 @@ def ignore_stop_signals() -> None:
     """
     for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # forked blocked (stop_signals_blocked): ignored now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back in this thread while it forks loader workers.
+
+    A worker ignores them only once its init has run: a group SIGTERM in its first
+    moments would kill it and fail the stop-checkpoint. Forked with the signals blocked,
+    a worker starts with them blocked (the mask is inherited) until ``ignore_stop_signals``
+    ignores them; the training process gets any that came in once the block ends.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class WorkerInit:
@@ -203,7 +224,8 @@ class WorkerWatch:
         if directory is not None:
             workers = range(self.dataloader.num_workers)
             self._offsets = {i: _file_size(_stack_path(directory, i)) for i in workers}
-        iterator = iter(self.dataloader)
+        with stop_signals_blocked():  # the workers fork here (the first pass, or each one)
+            iterator = iter(self.dataloader)
         self._iterator = weakref.ref(iterator)
         _quiet_pids.difference_update(w.pid for w in getattr(iterator, "_workers", ()))
         _wrap_sigchld_handler()
