@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import stoker
+from bitwise import assert_bitwise_equal
 from stoker.checkpoint import find_latest, load_checkpoint
 from stoker.errors import ConfigError, StokerError
 from stoker.train.callbacks import CallbackError, StepRecord
@@ -121,22 +122,6 @@ def own_fit(run_dir, tracker: LossTracker, **options):
         **options,
         **({} if "resume" in options else {"run_dir": run_dir}),
     )
-
-
-def assert_bitwise_equal(a, b, where: str) -> None:
-    """As tests/faults/bitwise.py: nested states equal bit for bit, naming the first odd path."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def final_state(run_dir) -> dict:

@@ -1,4 +1,4 @@
-"""One check for the fault tests: two nested states (tensors, dicts, lists) equal bit for bit."""
+"""One check shared by the tests: two nested states (tensors, dicts, lists) equal bit for bit."""
 
 from __future__ import annotations
 
