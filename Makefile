@@ -43,7 +43,7 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(
 # (`python -m stoker.reference --check` is not repeated here: tests/unit/test_reference.py
 # checks the committed references, and runs that very command once.)
 test: $(STAMP) browser
-	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/mkdocs build --strict -q -d $$(mktemp -d)
 	$(VENV)/bin/pytest -m "not slow" -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
@@ -53,7 +53,7 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check .
 
 format: $(STAMP)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bitwise import assert_bitwise_equal
 
+from bitwise import assert_bitwise_equal
 from stoker.checkpoint import find_latest, load_checkpoint
 
 CHILD = Path(__file__).with_name("resume_child.py")

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bitwise import assert_bitwise_equal
 from torch.utils.data import Dataset, get_worker_info
 
 import stoker
+from bitwise import assert_bitwise_equal
 from stoker.components import build_datasets
 from stoker.config import RunConfig
 from stoker.data import build_loader

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from bitwise import assert_bitwise_equal
 
+from bitwise import assert_bitwise_equal
 from stoker.checkpoint import find_latest, load_checkpoint
 from stoker.cli.main import main
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from bitwise import assert_bitwise_equal
 from torch import nn
 
 import stoker
+from bitwise import assert_bitwise_equal
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.errors import TrainingError
 from stoker.observe.system import SystemMonitor
