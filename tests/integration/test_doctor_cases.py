@@ -75,8 +75,11 @@ def test_tiny_model_fed_sample_by_sample_is_loader_overhead(tmp_path: Path) -> N
     assert m["returns_batches"] is False
     assert m["fetch"]["per_sample_s"] < 50e-6  # each sample is cheap...
     assert m["pipeline"]["steady_data_wait_fraction"] >= 0.05  # ...yet training waits
-    assert "num_workers" not in document["recommended_loader"]
+    # The code fix is batched fetch. A worker may also be proposed: on two cores one
+    # worker overlaps the per-sample loop with compute, and whether the loader sweep
+    # shows that win depends on the machine's load, so only its bound is checked.
     assert "__getitems__" in document["recommendation"]
+    assert document["recommended_loader"].get("num_workers", 0) <= m["cores"]
 
 
 def test_heavy_model_on_in_memory_arrays_is_compute_bound(tmp_path: Path) -> None:
