@@ -60,6 +60,7 @@ class Weights:
     step: int | None = None
 
     def describe(self) -> str:
+        """One line saying which weights were loaded, from where, and their epoch and step."""
         where = f" (epoch {self.epoch}, step {self.step})" if self.step is not None else ""
         return f"{self.which} weights: {self.path}{where}"
 

@@ -52,6 +52,7 @@ def _umask() -> int:
 
 
 def fsync_dir(directory: Path) -> None:
+    """Make renames in ``directory`` durable: a power cut cannot bring back the old entry."""
     # Makes the rename durable: without it a power cut can bring back the old directory entry.
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -152,6 +153,7 @@ class HashingWriter:
         self.error: OSError | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` and hash it in the same pass; an OSError is kept in ``error``."""
         try:
             written = self._file.write(data)
         except OSError as exc:
@@ -163,6 +165,7 @@ class HashingWriter:
         return written
 
     def flush(self) -> None:
+        """Flush the file's buffer; the hash already holds every byte written."""
         self._file.flush()
 
     def hexdigest(self) -> str:

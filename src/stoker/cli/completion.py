@@ -11,6 +11,7 @@ _DIR_METAVARS = frozenset({"RUN_DIR", "DIR"})
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker completion`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "completion",
         parents=parents,
@@ -27,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker completion``: print the completion script for the shell asked."""
     import shtab
 
     from stoker.cli.main import build_parser

@@ -9,6 +9,7 @@ from stoker.cli.options import add_config_and_overrides
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker config`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "config",
         parents=parents,
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run_show(args: argparse.Namespace) -> int:
+    """``stoker config show``: print the resolved config as YAML; returns the exit code."""
     import yaml
 
     from stoker.config import load_config
@@ -56,6 +58,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    """``stoker config validate``: exit 0 when valid; a ConfigError lists every problem."""
     from stoker.config import load_config
 
     load_config(args.config, args.overrides)  # a ConfigError (exit 2) lists every problem

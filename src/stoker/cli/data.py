@@ -17,6 +17,7 @@ _SHOWN_SIZES = 5
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker data`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "data",
         parents=parents,
@@ -65,6 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    """``stoker data convert``: convert a CSV once to Parquet or .npy; returns the exit code."""
     from stoker.data.convert import convert_csv
 
     report = convert_csv(
@@ -82,6 +84,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    """``stoker data inspect``: print a data set's layout and fingerprint; returns the exit code."""
     from stoker.cli.data_light import open_light
     from stoker.data.digests import fingerprint_files
 

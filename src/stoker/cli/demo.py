@@ -14,6 +14,7 @@ def demo_config_path() -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker demo`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "demo",
         parents=parents,
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker demo``: train the built-in digits classifier."""
     from stoker.config import load_config
     from stoker.train.session import train_run
 

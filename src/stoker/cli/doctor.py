@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker doctor`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "doctor",
         parents=parents,
@@ -61,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker doctor``: measure each pipeline stage alone and print the verdict."""
     # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
     from rich.console import Console
 

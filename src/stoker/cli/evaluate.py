@@ -9,6 +9,7 @@ from stoker.cli.options import add_weights_flags
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker evaluate`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "evaluate",
         parents=parents,
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker evaluate``: print a trained run's metrics and write them to its run dir."""
     from stoker.inference import evaluate_run, write_evaluation
 
     result = evaluate_run(

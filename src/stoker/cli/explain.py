@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker explain`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "explain",
         parents=parents,
@@ -54,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker explain``: print the autograd graph of the first batch's loss."""
     # Imported here: building a pipeline imports the training stack, which `--help` skips.
     from stoker.config import load_config
     from stoker.observe.explain import explain_first_batch

@@ -28,6 +28,7 @@ class CommandParser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse (intermixed when asked); an unknown argument is an error with this usage."""
         if self._in_intermixed or not self.intermixed:
             parsed, extras = super().parse_known_args(args, namespace)
         else:
@@ -91,6 +92,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def progress_mode(args: argparse.Namespace) -> str:
+    """The progress mode asked for: ``quiet`` when ``--quiet`` is given, else ``--progress``."""
     return "quiet" if args.quiet else args.progress
 
 

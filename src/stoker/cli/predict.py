@@ -8,6 +8,7 @@ from stoker.cli.options import add_weights_flags
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker predict`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "predict",
         parents=parents,
@@ -35,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker predict``: write a trained run's predictions and print where."""
     from stoker.inference import predict
 
     path, rows = predict(

@@ -10,6 +10,7 @@ logger = logging.getLogger("stoker")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker report`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "report",
         parents=parents,
@@ -31,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker report``: write a run's HTML report (and open it with ``--open``)."""
     from stoker.observe.report import write_report
 
     path = write_report(args.run_dir, out=args.out)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker train`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "train",
         parents=parents,
@@ -60,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker train``: train from the config; with ``--nproc``, under torchrun."""
     # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
     from stoker.config import load_config
     from stoker.distributed.launch import inside_torchrun

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None:
+    """Add ``stoker tune`` and its arguments to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "tune",
         parents=parents,
@@ -72,6 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """``stoker tune``: search the loader settings; ``--write`` saves them."""
     # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
     from rich.console import Console
     from rich.text import Text

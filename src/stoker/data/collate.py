@@ -294,6 +294,7 @@ class PadCollate:
         _check_options(self.side, self.max_length, self.pad_to_multiple_of)
 
     def __call__(self, samples: Sequence[Any]) -> Any:
+        """``pad_collate`` with this object's settings (an object, so workers can pickle it)."""
         return pad_collate(
             samples,
             pad_value=self.pad_value,

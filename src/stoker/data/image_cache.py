@@ -199,6 +199,7 @@ class DecodedImages(Dataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch whose crops and flips are served."""
         return self.folder.epoch
 
     def set_epoch(self, epoch: int) -> None:

@@ -226,6 +226,7 @@ class ImageFolder(Dataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch whose augmentations are applied (shared with the loader's workers)."""
         return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:

@@ -195,6 +195,7 @@ def raise_all(problems: list[Problem]) -> None:
 
 
 def resolve_pin_memory(pin_memory: bool | str, device: str | torch.device | None) -> bool:
+    """``loader.pin_memory`` as a bool: ``auto`` pins for CUDA only; ``true`` without CUDA warns."""
     device_type = None
     if device is not None and str(device) != "auto":
         try:

@@ -192,10 +192,12 @@ class ParquetDataset(Dataset):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """The feature columns, in the order of the features tensor."""
         return self._features
 
     @property
     def target_name(self) -> str | None:
+        """The target column; None when samples are features alone."""
         return self._target
 
     def schema(self) -> dict[str, str]:

@@ -45,6 +45,7 @@ class BadSample:
     reason: str
 
     def describe(self) -> str:
+        """One line for logs and errors: where the record is and what is wrong with it."""
         return f"{self.source}, {self.location}: {self.reason}"
 
 

@@ -102,6 +102,7 @@ class CsvDataset(Dataset):
 
     @property
     def path(self) -> Path:
+        """The CSV file read."""
         return self._path
 
     @property
@@ -111,10 +112,12 @@ class CsvDataset(Dataset):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """The feature columns, in the order of the features tensor."""
         return self._layout.feature_names
 
     @property
     def target_name(self) -> str | None:
+        """The target column; None when samples are features alone."""
         return self._layout.target_name
 
     def _index(self) -> np.ndarray:

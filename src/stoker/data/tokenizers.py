@@ -16,7 +16,8 @@ __all__ = ["ByteTokenizer", "CharTokenizer", "Tokenizer", "as_ids"]
 class Tokenizer(Protocol):
     """Anything that turns a text into token ids: ``tokenizer(text) -> LongTensor[L]``."""
 
-    def __call__(self, text: str) -> torch.Tensor: ...
+    def __call__(self, text: str) -> torch.Tensor:
+        """The token ids of ``text``, a 1-D long tensor (0 is padding)."""
 
 
 def _check_max_length(max_length: int | None, owner: str) -> int | None:
@@ -51,6 +52,7 @@ class ByteTokenizer:
         self.max_length = _check_max_length(max_length, "ByteTokenizer")
 
     def __call__(self, text: str) -> torch.Tensor:
+        """The UTF-8 bytes of ``text`` plus one (0 stays padding), cut to ``max_length``."""
         data = text.encode("utf-8")[: self.max_length]
         if not data:
             return torch.zeros(0, dtype=torch.long)
@@ -62,10 +64,12 @@ class ByteTokenizer:
         return bytes(values).decode("utf-8", errors="replace")
 
     def state_dict(self) -> dict[str, Any]:
+        """What ``from_state_dict`` needs to make this tokenizer again (saved with a run)."""
         return {"max_length": self.max_length}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> ByteTokenizer:
+        """The tokenizer a ``state_dict`` describes."""
         return cls(max_length=state["max_length"])
 
     def __repr__(self) -> str:
@@ -133,6 +137,7 @@ class CharTokenizer:
         return len(self.vocab) + 2
 
     def __call__(self, text: str) -> torch.Tensor:
+        """An id per character of ``text`` (1: not in the vocabulary), cut to ``max_length``."""
         # One character is one token, so cutting the text is cutting the tokens.
         ids = self._ids
         return torch.tensor([ids.get(c, 1) for c in text[: self.max_length]], dtype=torch.long)

@@ -47,7 +47,8 @@ class Transform(Protocol):
     see :func:`as_transform`.
     """
 
-    def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> Any: ...
+    def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> Any:
+        """The transformed sample; a random transform draws from ``generator`` alone."""
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -211,6 +212,7 @@ class Compose:
         self._steps = [as_transform(t) for t in self.transforms]
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> Any:
+        """Apply each transform in order, all drawing from the one ``generator``."""
         for step in self._steps:
             x = step(x, generator=generator)
         return x
@@ -226,6 +228,7 @@ class ToTensor:
     """A Pillow image or an H×W(×C) array → a float32 C×H×W tensor in [0, 1]."""
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The image as a float32 C×H×W tensor, scaled to [0, 1] from its integer range."""
         # A Pillow image hands numpy a read-only copy of its pixels: no second copy here.
         array = np.asarray(x)
         if array.ndim == 2:
@@ -264,6 +267,7 @@ class Normalize:
             )
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``x`` normalized; a DataError when its channels do not match the statistics."""
         x = _need_tensor(x, "Normalize")
         channels = x.shape[-3] if x.dim() >= 3 else 1
         if self.mean.shape[0] not in (1, channels):
@@ -299,6 +303,7 @@ class Resize:
         return max(1, round(height * side / width)), side
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> Any:
+        """``x`` resized; a tensor already of the target size comes back as is."""
         if isinstance(x, torch.Tensor):
             x = _need_tensor(x, "Resize")
             height, width = self._target(x.shape[-2], x.shape[-1])
@@ -343,6 +348,7 @@ class RandomCrop:
         self.padding = padding
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A crop of ``x`` (padded first by ``padding``) at a place drawn from ``generator``."""
         x = _need_tensor(x, "RandomCrop")
         generator = _need_generator(generator, "RandomCrop")
         if self.padding:
@@ -378,6 +384,7 @@ class RandomHorizontalFlip:
         self.p = p
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``x`` mirrored or not; it draws either way, so later draws do not depend on it."""
         x = _need_tensor(x, "RandomHorizontalFlip")
         # Always draw, so the generator advances the same way whatever the outcome.
         flip = float(torch.rand((), generator=_need_generator(generator, "RandomHorizontalFlip")))
@@ -398,6 +405,7 @@ class RandomNoise:
         self.std = float(std)
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``x`` plus noise drawn from ``generator``."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise DataError(
                 f"RandomNoise works on float tensors; got {type(x).__name__}"
@@ -427,6 +435,7 @@ class SharedEpoch:
 
     @property
     def value(self) -> int:
+        """The epoch every worker process reads."""
         return int(self._value)
 
     @value.setter
@@ -467,6 +476,7 @@ class ReproducibleTransformDataset(Dataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch whose augmentations are applied (shared with the loader's workers)."""
         return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:

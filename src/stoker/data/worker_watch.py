@@ -122,6 +122,7 @@ class WorkerInit:
         self.directory: str | None = None
 
     def __call__(self, worker_id: int) -> None:
+        """Run first in loader worker ``worker_id``: stack dumps on, stop signals ignored."""
         if self.directory is not None:
             self._write_stacks_on_fault(worker_id)
         # Last: PyTorch's worker handlers (set again above) include one for SIGTERM that

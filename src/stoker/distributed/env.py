@@ -28,6 +28,7 @@ class RankInfo:
 
     @property
     def distributed(self) -> bool:
+        """True when more than one process trains."""
         return self.world_size > 1
 
     @classmethod

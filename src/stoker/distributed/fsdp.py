@@ -66,6 +66,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` was sharded by FSDP2 (``fully_shard``)."""
     return isinstance(model, FSDPModule)
 
 

@@ -39,10 +39,12 @@ class AgreedStop(StopRequest):
 
     @property
     def requested(self) -> bool:
+        """True once the ranks agreed to stop, so that all stop after the same step."""
         return self.agreed
 
     @property
     def local(self) -> bool:
+        """True when this rank itself received the stop signal."""
         return self.signal_name is not None
 
 
@@ -77,6 +79,7 @@ class RankSyncedLoader:
         return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the wrapped loader's epoch and check that every rank has as many batches."""
         self.epoch = epoch
         self.loader.set_epoch(epoch)
         check_equal_lengths(self.loader, self.dist, epoch=epoch)
@@ -191,6 +194,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self, where: str) -> None:
+        """Start watching: a rank that makes no progress past the timeout exits with its stack."""
         if not self.dist.enabled:
             return
         self.tick(where)
@@ -199,12 +203,14 @@ class Watchdog:
             self._thread.start()
 
     def tick(self, where: str) -> None:
+        """Progress at ``where``: the deadline moves a timeout ahead."""
         if self.dist.enabled:
             with self._lock:
                 self._deadline = time.monotonic() + self.timeout_s
                 self._where = where
 
     def disarm(self) -> None:
+        """No deadline until the next ``tick`` or ``arm``."""
         with self._lock:
             self._deadline = None
 

@@ -42,18 +42,22 @@ class Distributed:
 
     @property
     def rank(self) -> int:
+        """This process's rank (0 in one process)."""
         return self.info.rank
 
     @property
     def world_size(self) -> int:
+        """How many processes train (1 in one process)."""
         return self.info.world_size
 
     @property
     def enabled(self) -> bool:
+        """True with more than one process; else every collective is a no-op."""
         return self.info.distributed
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the rank that prints and writes files."""
         return self.info.is_main
 
     # --- life cycle ---------------------------------------------------------------------
@@ -97,6 +101,7 @@ class Distributed:
     # --- collectives ----------------------------------------------------------------------
 
     def barrier(self) -> None:
+        """Wait until every rank is here (a no-op in one process)."""
         if self.enabled:
             dist.barrier(group=self.control)
 

@@ -93,6 +93,7 @@ class TextClassifier(nn.Module):
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(width, num_classes))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Class logits ``[batch, classes]``; padding (``attention_mask == 0``) does not count."""
         mask = attention_mask.bool()
         embedded = self.embed(input_ids)
         if self.kind == "cnn":
@@ -221,6 +222,7 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Next-token logits ``[batch, positions, vocab]``."""
         if input_ids.shape[1] > self.block_size:
             raise ValueError(
                 f"input_ids has {input_ids.shape[1]} positions; this model has "

@@ -60,6 +60,7 @@ class Eta:
         return offset
 
     def advance(self, steps: int) -> None:
+        """Count ``steps`` more done, in the epoch and in the run."""
         self.epoch_done += steps
         self.run_done += steps
         self._epoch_advanced += steps

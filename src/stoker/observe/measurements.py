@@ -96,6 +96,7 @@ class Measurements:
 
     @property
     def configured_loader_rate(self) -> float:
+        """The loader's measured samples/s at the configured number of workers."""
         return self.loader_rate(self.num_workers)
 
     @property
@@ -135,6 +136,7 @@ class Change:
     cost: str = ""
 
     def label(self) -> str:
+        """The settings as ``key=value`` words, as a user types them as overrides."""
         return " ".join(f"{key}={_value(value)}" for key, value in self.settings.items())
 
 

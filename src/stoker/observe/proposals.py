@@ -117,6 +117,7 @@ def _persistent_change(m: Measurements, points: list[LoaderPoint]) -> Change | N
 
 
 def fused_change(m: Measurements) -> Change | None:
+    """The fused optimizer, when it was measured to gain enough; else None."""
     if m.fused or m.fused_samples_per_s is None or m.optimizer not in ("adam", "adamw"):
         return None
     gain = _rate_with(m, compute=m.fused_samples_per_s) / max(now_rate(m), 1e-12)
@@ -134,6 +135,7 @@ def fused_change(m: Measurements) -> Change | None:
 
 
 def threads_change(m: Measurements) -> Change | None:
+    """The thread count measured fastest, when it gains enough over the current one; else None."""
     if not m.thread_rates:
         return None
     count, rate = max(m.thread_rates.items(), key=lambda item: item[1])

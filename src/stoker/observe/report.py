@@ -61,6 +61,7 @@ class MetricsLog:
 
     @property
     def empty(self) -> bool:
+        """True when the log has no record at all (the run stopped before its first step)."""
         return not self.step_records and not self.epoch_records
 
 

@@ -52,6 +52,7 @@ def _ratio(rate: float | None, pipeline: float) -> float | None:
 
 
 def stage_figures(m: Measurements) -> tuple[StageFigure, ...]:
+    """One row per pipeline stage, with its measured rate and a note on how it was measured."""
     pipeline = m.pipeline.steady_samples_per_s
     rows = _loader_figures(m, pipeline)
     if m.transfer is None:
@@ -147,6 +148,7 @@ def _phase_note(phases: dict[str, float]) -> str:
 
 
 def unstable_notes(m: Measurements) -> list[str]:
+    """Why the rates may vary between runs (a busy machine, ...), printed under the table."""
     notes = []
     if m.machine_load is not None and m.machine_load >= 0.5 * m.cores:
         notes.append(

@@ -84,10 +84,12 @@ class TransferFigures:
 
     @property
     def pageable_samples_per_s(self) -> float:
+        """The samples/s the host-to-device copy allows from ordinary (pageable) memory."""
         return self.pageable_gb_per_s * 1e9 / self.batch_bytes * self.batch_size
 
     @property
     def pinned_samples_per_s(self) -> float | None:
+        """The same from pinned memory; None when pinning was not measured."""
         if self.pinned_gb_per_s is None:
             return None
         return self.pinned_gb_per_s * 1e9 / self.batch_bytes * self.batch_size

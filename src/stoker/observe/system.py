@@ -32,6 +32,7 @@ class SystemMonitor:
         self._warned_nvml = False
 
     def sample(self, *, num_workers: int) -> dict[str, Any]:
+        """CPU, memory and worker figures since the last call, as fields of a metric record."""
         now = time.perf_counter()
         wall = max(now - self._last_wall, 1e-9)
         cpu = self._process.cpu_times()

@@ -138,6 +138,7 @@ class PhaseTimer:
 
     @property
     def steps(self) -> int:
+        """Steps ended since the last ``reset``."""
         self._decode()
         return sum(len(rows) for rows in self._rows)
 

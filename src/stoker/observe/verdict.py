@@ -23,6 +23,7 @@ class Verdict:
     recommendation: str
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data, for JSON."""
         return asdict(self)
 
 

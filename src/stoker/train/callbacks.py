@@ -82,12 +82,23 @@ class Callback(Protocol):
     step, with a checkpoint saved to resume from.
     """
 
-    def on_train_start(self, loop: Loop) -> None: ...
-    def on_step_end(self, loop: Loop, step: StepRecord) -> None: ...
-    def on_validation_end(self, loop: Loop, metrics: dict[str, Any]) -> None: ...
-    def on_epoch_end(self, loop: Loop, record: dict[str, Any]) -> None: ...
-    def on_checkpoint(self, loop: Loop, path: Path) -> None: ...
-    def on_train_end(self, loop: Loop) -> None: ...
+    def on_train_start(self, loop: Loop) -> None:
+        """Once, before the first step, after a resume has restored everything."""
+
+    def on_step_end(self, loop: Loop, step: StepRecord) -> None:
+        """After each optimizer step and the schedule's step; runs every step, so keep it cheap."""
+
+    def on_validation_end(self, loop: Loop, metrics: dict[str, Any]) -> None:
+        """After each validation, with its ``val/`` metrics."""
+
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any]) -> None:
+        """With the epoch's record, before it is logged and before the epoch's checkpoint."""
+
+    def on_checkpoint(self, loop: Loop, path: Path) -> None:
+        """After each checkpoint is written to the folder ``path`` (on rank 0)."""
+
+    def on_train_end(self, loop: Loop) -> None:
+        """Once, when training ends without an error (also after a requested stop)."""
 
 
 def _nothing(*args: Any) -> None:

@@ -46,13 +46,15 @@ _NO_CONTEXT = contextlib.nullcontext()  # stateless, so one serves every micro-b
 class EpochEndHook(Protocol):
     """Called after each epoch's record is written (checkpointing)."""
 
-    def __call__(self, loop: Loop, record: dict[str, Any]) -> None: ...
+    def __call__(self, loop: Loop, record: dict[str, Any]) -> None:
+        """Called after each epoch with its record."""
 
 
 class StepCheckpointHook(Protocol):
     """Saves a checkpoint in the middle of an epoch (every N steps, or when stopping)."""
 
-    def __call__(self, loop: Loop, progress: dict[str, Any]) -> None: ...
+    def __call__(self, loop: Loop, progress: dict[str, Any]) -> None:
+        """Save a checkpoint now; ``progress`` is the loader position an exact resume needs."""
 
 
 class StopRequested(Exception):
@@ -68,6 +70,7 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
+        """True once a stop signal arrived: the loop stops after the current step."""
         return self.signal_name is not None
 
 
@@ -169,9 +172,11 @@ class Loop:
         return move_to_device(batch, self.device, non_blocking=True)
 
     def finished(self) -> bool:
+        """True when the epochs or ``max_steps`` are done."""
         return self.state.epoch >= self.epochs or self.out_of_steps()
 
     def out_of_steps(self) -> bool:
+        """True when ``max_steps`` optimizer steps are done."""
         return self.max_steps is not None and self.state.step >= self.max_steps
 
     def parameters(self) -> list[nn.Parameter]:

@@ -156,6 +156,7 @@ class AlignedLoss(nn.Module):
         self.loss_name = name
 
     def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The wrapped loss of ``outputs`` and ``targets`` brought to the shapes it expects."""
         outputs, targets = align_for_loss(outputs, targets, loss_name=self.loss_name)
         return self.loss(outputs, targets)
 

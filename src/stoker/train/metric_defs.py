@@ -59,6 +59,7 @@ class SumMetric:
         return owner.head, owner.rows
 
     def start(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Make the sums on ``device``, before an evaluation's first batch."""
         with torch.inference_mode(False):  # ordinary tensors: added to in place later
             self.head = torch.zeros(self.head_size, dtype=dtype, device=device)
             self.rows = torch.zeros(0, self.width, dtype=dtype, device=device)
@@ -80,6 +81,7 @@ class SumMetric:
         return self.rows
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Add one batch to the sums on the device (no CPU-GPU sync)."""
         raise NotImplementedError
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
@@ -169,6 +171,7 @@ class ClassCounts(SumMetric):
         return isinstance(other, ClassCounts) and other.ignore_index == self.ignore_index
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Add the batch's per-class counts of predictions and labels."""
         predicted, labels, classes, multilabel, real = _class_pairs(
             outputs, targets, self.ignore_index, key=self.key
         )
@@ -188,6 +191,7 @@ class ClassCounts(SumMetric):
         rows += torch.stack((tp, fp, fn), dim=1).to(rows.dtype)
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
+        """The figure from the counts; a DataError when batches mixed single- and multi-label."""
         single, multi, past = head
         if past:
             raise _past_classes(self.key, len(rows))
@@ -273,6 +277,7 @@ class TopKAccuracy(SumMetric):
         self.k, self.ignore_index = k, ignore_index
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Add the batch's count of targets among the top ``k`` predictions."""
         if self.k == 1:
             predicted, labels, _, multilabel, real = _class_pairs(
                 outputs, targets, self.ignore_index, key=self.key
@@ -308,6 +313,7 @@ class TopKAccuracy(SumMetric):
         self.head[1] += scored
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
+        """Correct over scored; None when nothing was scored."""
         correct, scored = head
         return correct / scored if scored else None
 
@@ -330,6 +336,7 @@ class RSquared(SumMetric):
         self.average = average
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Add the batch's per-output sums that R² needs."""
         aligned = None
         if isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
             aligned = aligned_shapes(outputs, targets)
@@ -355,6 +362,7 @@ class RSquared(SumMetric):
         self._grow(real.shape[1]).add_(sums)
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
+        """R² per output, averaged as ``average`` says; None when nothing was scored."""
         rows = [row for row in rows if row[0]]
         if not rows:
             return None
@@ -389,6 +397,7 @@ class MeanOf(SumMetric):
         self.function, self.name = function, name
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Add the user function's value for the batch, weighted by its samples."""
         if isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
             outputs, targets = aligned_shapes(outputs, targets) or (outputs, targets)
         try:
@@ -414,5 +423,6 @@ class MeanOf(SumMetric):
         self.head[1] += count
 
     def values(self, head: list[float], rows: list[list[float]]) -> float | None:
+        """The sample-weighted mean over the batches; None when there were none."""
         total, count = head
         return total / count if count else None

@@ -66,11 +66,13 @@ class ObjectMetric:
         self.key, self.metric, self.name = key, metric, name
 
     def start(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the metric object to ``device`` and reset it."""
         if hasattr(self.metric, "to"):
             self.metric.to(device)
         self.metric.reset()
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Feed one batch to the metric object, shapes aligned as for the built-ins."""
         if isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
             outputs, targets = aligned_shapes(outputs, targets) or (outputs, targets)
         try:
@@ -128,6 +130,7 @@ class MetricRun:
         self.updated = tuple(m for m in self.metrics if getattr(m, "leader", None) is None)
 
     def update(self, outputs: Any, targets: Any) -> None:
+        """Feed one batch to every metric that is updated per batch."""
         for metric in self.updated:
             metric.update(outputs, targets)
 
@@ -202,6 +205,7 @@ class Metrics:
         return bool(self.defs)
 
     def start(self, *, device: torch.device, ignore_index: int | None = None) -> MetricRun:
+        """Begin an evaluation: fresh sums on ``device`` for every requested metric."""
         made = [d.make(ignore_index) for d in self.defs if d.kind != "task"]
         dtype = sums_dtype(device)
         for metric in made:

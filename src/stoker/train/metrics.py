@@ -261,6 +261,7 @@ class TaskMetrics:
         return totals
 
     def loss_sum(self) -> torch.Tensor:
+        """The summed loss so far, on the device (reading it waits for the GPU)."""
         self._fold()
         return self._sums["loss_sum"]
 
@@ -436,6 +437,7 @@ class StepWindow:
 
     @classmethod
     def empty(cls, device: torch.device) -> StepWindow:
+        """A window with nothing recorded yet."""
         return cls(torch.zeros((), device=device))
 
     @property

@@ -22,6 +22,7 @@ class Monitor:
     min_delta: float = 0.0
 
     def improved(self, value: float, best: float | None) -> bool:
+        """True when ``value`` beats ``best`` by more than ``min_delta`` (NaN never does)."""
         if math.isnan(value):
             return False
         if best is None:

@@ -53,6 +53,7 @@ class LossStep:
         return batch_size_of(targets)
 
     def __call__(self, model: nn.Module, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor]:
+        """``(outputs, loss)`` of one micro-batch: the model's forward, then the loss."""
         outputs = forward(model, inputs)
         try:
             return outputs, self.loop.loss_fn(outputs, targets)
@@ -62,6 +63,7 @@ class LossStep:
             ) from error
 
     def metrics(self, metrics: TaskMetrics) -> TaskMetrics:
+        """The task's own metrics, unchanged."""
         return metrics
 
 
@@ -78,6 +80,7 @@ class UserStep:
         return batch, None
 
     def count(self, inputs: Any, targets: Any) -> int:
+        """The micro-batch's samples, which weight its loss in the step."""
         return samples_in(inputs)
 
     def __call__(
@@ -96,6 +99,7 @@ class UserStep:
         return split_result(result, where=f"{self.field} {self.name}")
 
     def metrics(self, metrics: TaskMetrics) -> StepFnMetrics:
+        """The task's metrics, plus the means of the step function's other outputs."""
         return StepFnMetrics(metrics)
 
 
@@ -171,9 +175,11 @@ class StepFnMetrics:
 
     @property
     def samples(self) -> int:
+        """Samples counted so far."""
         return self.inner.samples
 
     def update(self, outputs: Any, targets: Any, loss: torch.Tensor, count: int) -> None:
+        """Add one micro-batch: its loss and the other outputs, weighted by ``count`` samples."""
         self.inner.update(loss, None, loss, count)
         for name, value in outputs.items():
             weighted = value.float() * count
@@ -188,6 +194,7 @@ class StepFnMetrics:
         return {f"train/{name}": value / max(samples, 1) for name, value in step.items()}
 
     def compute(self, prefix: str) -> dict[str, float]:
+        """The means under ``prefix/``: the loss, the task's metrics and each other output."""
         values = self.inner.compute(prefix)
         if not self._sums:
             return values
@@ -206,9 +213,11 @@ class StepFnMetrics:
         return values
 
     def loss_sum(self) -> torch.Tensor:
+        """The summed loss so far, on the device (reading it waits for the GPU)."""
         return self.inner.loss_sum()
 
     def state_dict(self) -> dict[str, Any]:
+        """The running sums, so a run resumed mid-epoch reports the whole epoch."""
         return {
             "loss": self.inner.state_dict(),
             "outputs": {name: value.detach().cpu() for name, value in self._sums.items()},
@@ -225,10 +234,12 @@ class StepFnMetrics:
         self._sums = {name: value.to(device) for name, value in state["outputs"].items()}
 
     def snapshot(self) -> tuple[Any, ...]:
+        """The sums as they are, for ``restore`` when a step is skipped or rolled back."""
         # The sums are replaced, never changed in place: references are a snapshot.
         return self.inner.snapshot(), dict(self._sums), dict(self._step), self._step_samples
 
     def restore(self, snapshot: tuple[Any, ...]) -> None:
+        """Go back to a ``snapshot``."""
         inner, sums, step, self._step_samples = snapshot
         self.inner.restore(inner)
         self._sums, self._step = dict(sums), dict(step)

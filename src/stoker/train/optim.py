@@ -141,6 +141,7 @@ class ConstantLR(LambdaLR):
         self._last_lr = [group["lr"] for group in optimizer.param_groups]
 
     def step(self, epoch: int | None = None) -> None:
+        """Count the step; the lr never changes, so nothing is computed."""
         self._step_count += 1
         self.last_epoch += 1
 

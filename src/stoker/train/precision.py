@@ -132,9 +132,11 @@ class Precision:
         return float(self.scaler.get_scale()) if self.scaling else None
 
     def state_dict(self) -> dict[str, Any]:
+        """The precision's name and the loss scaler's state, for the checkpoint."""
         return {"name": self.name, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the scaler; a checkpoint of another precision is a ConfigError naming the fix."""
         if state.get("name") != self.name:
             raise ConfigError(
                 f"train.precision: the checkpoint was trained with {state.get('name')!r}, "

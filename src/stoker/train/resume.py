@@ -52,6 +52,7 @@ class PlainWeights:
     """
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's whole state dicts (one process holds all of them)."""
         return model.state_dict(), optimizer.state_dict()
 
     def write_first(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -72,6 +73,7 @@ class PlainWeights:
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any],
     ) -> None:
+        """Load the saved state dicts into the model and the optimizer."""
         if is_sharded_entry(model_state):
             raise CheckpointError(
                 "this checkpoint holds the weights as the shards of an FSDP run "

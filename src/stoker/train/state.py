@@ -45,9 +45,11 @@ class TrainState:
         return epoch_number(self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
+        """The counters and the best metric, saved in every checkpoint."""
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved."""
         for key, value in state.items():
             setattr(self, key, value)
 
