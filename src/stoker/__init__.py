@@ -21,6 +21,7 @@ _EXPORTS = {
     "ConfigError": "stoker.errors",
     "DataError": "stoker.errors",
     "EpochLoader": "stoker.data.loader",
+    "FitOptions": "stoker.train.fit_options",
     "FitResult": "stoker.train.session",
     "ModelError": "stoker.errors",
     "RunConfig": "stoker.config",
@@ -45,6 +46,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "EpochLoader",
+    "FitOptions",
     "FitResult",
     "ModelError",
     "RunConfig",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from stoker.inference import evaluate_run, load_model, predict
     from stoker.train.api import fit
     from stoker.train.callbacks import Callback, StepRecord
+    from stoker.train.fit_options import FitOptions
     from stoker.train.session import FitResult, train_run
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 from stoker.config import DataConfig, config_from_options
 from stoker.data.sources import ArrayDataset, split_train_val_test
 from stoker.errors import ConfigError
+from stoker.train.fit_options import FitOptions
 from stoker.train.metric_set import split_fit_metrics
 from stoker.train.pipeline import UserComponents
 from stoker.train.session import FitResult, train_run
@@ -35,13 +36,14 @@ def fit(
     allow_data_change: bool = False,
     allow_config_change: bool = False,
     callbacks: Sequence[object] = (),
-    **options: Any,
+    **options: Unpack[FitOptions],
 ) -> FitResult:
     """Train ``model`` on ``train_data``, validating on ``val_data`` after each epoch.
 
     Every run-config option can be given by its own name — ``epochs``, ``batch_size``,
     ``lr``, ``precision``, ``grad_accum_steps``, ``clip_grad_norm``, ``run_dir``,
-    ``seed`` … (the full list is ``stoker.config.FLAT_OPTIONS``); ``optimizer``,
+    ``seed`` … (every option with its type and config key: ``stoker.FitOptions``, which
+    an editor completes and a type checker checks); ``optimizer``,
     ``schedule`` and ``loss`` take the config's names. ``loss`` and ``collate_fn``
     may also be callables; ``optimizer`` a ``torch.optim.Optimizer`` over the model's
     parameters or a factory ``params -> Optimizer``; ``schedule`` an LR scheduler over
@@ -70,16 +72,17 @@ def fit(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}")
-    loss_fn = _pop_callable(options, "loss")
-    collate_fn = _pop_callable(options, "collate_fn")
-    step_fn = _pop_callable(options, "step_fn")
-    eval_fn = _pop_callable(options, "eval_fn")
-    optimizer = _pop_callable(options, "optimizer", torch.optim.Optimizer)
-    scheduler = _pop_callable(options, "schedule", torch.optim.lr_scheduler.LRScheduler)
-    if loss_fn is not None and "loss" not in options:
-        options["loss"] = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    options["metrics"], metric_objects = split_fit_metrics(options.pop("metrics", None))
-    config = config_from_options(options)
+    raw: dict[str, Any] = dict(options)  # popped and rewritten below
+    loss_fn = _pop_callable(raw, "loss")
+    collate_fn = _pop_callable(raw, "collate_fn")
+    step_fn = _pop_callable(raw, "step_fn")
+    eval_fn = _pop_callable(raw, "eval_fn")
+    optimizer = _pop_callable(raw, "optimizer", torch.optim.Optimizer)
+    scheduler = _pop_callable(raw, "schedule", torch.optim.lr_scheduler.LRScheduler)
+    if loss_fn is not None and "loss" not in raw:
+        raw["loss"] = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raw["metrics"], metric_objects = split_fit_metrics(raw.pop("metrics", None))
+    config = config_from_options(raw)
     dtype = _float_dtype(model)
     train = _as_dataset(train_data, "train_data", dtype=dtype)
     val = _as_dataset(val_data, "val_data", dtype=dtype) if val_data is not None else None
