@@ -41,7 +41,9 @@ browser:
 # tests from busy ones (worksteal), so the long end-to-end runs do not all end on one.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
 # (`python -m stoker.reference --check` is not repeated here: tests/unit/test_reference.py
-# checks the committed references, and runs that very command once.)
+# checks the committed references, and runs that very command once. mypy runs as a test
+# too, tests/unit/test_types.py: on an xdist worker it overlaps the other tests instead of
+# adding its ~30 s of cold CPU before them. ruff's D1 rules check the docstrings.)
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/mkdocs build --strict -q -d $$(mktemp -d)
@@ -72,4 +74,4 @@ bench: $(STAMP)
 	$(VENV)/bin/pytest -m slow -q -n $(TEST_WORKERS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

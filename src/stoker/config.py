@@ -493,7 +493,8 @@ class RunConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples), as written to `config.yaml` and checkpoints."""
-        return _plain(self.model_dump(mode="json"))
+        plain: dict[str, Any] = _plain(self.model_dump(mode="json"))
+        return plain
 
 
 def _plain(value: Any) -> Any:
@@ -557,7 +558,7 @@ def apply_overrides(
         base: When given, relative paths the overrides set resolve from this folder (the
             current one, for overrides typed on the command line).
     """
-    result = _deep_copy(raw)
+    result: dict[str, Any] = _deep_copy(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

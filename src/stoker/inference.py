@@ -282,7 +282,7 @@ def predict(
     return writer.path, writer.rows
 
 
-def dataset_for(config: RunConfig, path: str | Path) -> Dataset:
+def dataset_for(config: RunConfig, path: str | Path) -> Dataset[Any]:
     """The run's data spec read from ``path`` instead of the run's own file or folder.
 
     The validation spec (``data.val``) is the template when the run has one, else
@@ -310,7 +310,7 @@ def dataset_for(config: RunConfig, path: str | Path) -> Dataset:
     return components.build_datasets(config.model_copy(update={"data": data}))[0]
 
 
-def _validation_data(config: RunConfig, run_dir: str | Path) -> Dataset:
+def _validation_data(config: RunConfig, run_dir: str | Path) -> Dataset[Any]:
     """The run's own validation data: data.val, or the same val_fraction split of train."""
     if config.data.val is None and config.data.val_fraction is None:
         raise ConfigError(
@@ -323,8 +323,8 @@ def _validation_data(config: RunConfig, run_dir: str | Path) -> Dataset:
 
 
 def _loader(
-    config: RunConfig, dataset: Dataset, *, device: torch.device, batch_size: int | None
-) -> Iterable:
+    config: RunConfig, dataset: Dataset[Any], *, device: torch.device, batch_size: int | None
+) -> Iterable[Any]:
     loader = config.loader
     return build_loader(
         dataset,
@@ -357,7 +357,7 @@ def _length(dataset: Any) -> int | None:
         return None
 
 
-def _with_bar(loader: Iterable, *, show: bool, what: str) -> Iterator[Any]:
+def _with_bar(loader: Iterable[Any], *, show: bool, what: str) -> Iterator[Any]:
     """The loader's batches, with a rich bar on a terminal (nothing in a log or a pipe)."""
     if not show or not sys.stderr.isatty():
         yield from loader

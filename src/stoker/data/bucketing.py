@@ -52,7 +52,7 @@ def _validate_lengths(lengths: Any) -> torch.Tensor:
     return t.to(dtype=torch.long, device="cpu")
 
 
-def bucket_lengths(dataset: Dataset) -> torch.Tensor:
+def bucket_lengths(dataset: Dataset[Any]) -> torch.Tensor:
     """The per-sample lengths ``loader.sampler=bucket`` groups ``dataset`` by.
 
     From the dataset's ``lengths()``; for the training part of a ``val_fraction`` split
@@ -208,10 +208,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
         bucket = self.batch_size * self.bucket_size_multiplier
         batches: list[torch.Tensor] = []
-        for chunk in order.split(bucket):
+        for chunk in torch.split(order, bucket):
             # Stable, so equal lengths keep their shuffled order.
             by_length = torch.sort(self.lengths[chunk], stable=True).indices
-            batches.extend(chunk[by_length].split(self.batch_size))
+            batches.extend(torch.split(chunk[by_length], self.batch_size))
         if self.drop_last and batches[-1].numel() < self.batch_size:
             batches.pop()
         if self.shuffle and batches:
@@ -299,7 +299,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             epoch_seed(self.seed, self.epoch, stream=_RANDOM_BATCHES_STREAM)
         )
         random_batches = list(
-            torch.randperm(self.lengths.numel(), generator=generator).split(self.batch_size)
+            torch.split(torch.randperm(self.lengths.numel(), generator=generator), self.batch_size)
         )
         if self.drop_last and random_batches[-1].numel() < self.batch_size:
             random_batches.pop()

@@ -122,7 +122,7 @@ def _describe(name: str, value: Any, index: int) -> _Field:
 def _to_numpy(value: Any, field: _Field) -> np.ndarray:
     if field.kind == "tensor":
         # .cpu() waits for a GPU tensor's pending work (a CPU–GPU sync); rare in datasets.
-        tensor = value.detach().cpu()
+        tensor: torch.Tensor = value.detach().cpu()
         try:
             return tensor.numpy()
         except TypeError:
@@ -210,7 +210,7 @@ class _DiskStore:
         self.filled.write(index, 1)
 
 
-class CachedDataset(Dataset):
+class CachedDataset(Dataset[Any]):
     """A map-style dataset that loads each sample from ``dataset`` once, then from a cache.
 
     See the module docstring for when to use ``memory`` or ``disk`` mode. Samples come
@@ -228,7 +228,7 @@ class CachedDataset(Dataset):
     """
 
     def __init__(
-        self, dataset: Dataset, *, mode: CacheMode = "memory", path: str | Path | None = None
+        self, dataset: Dataset[Any], *, mode: CacheMode = "memory", path: str | Path | None = None
     ) -> None:
         """Wrap ``dataset``.
 
@@ -450,7 +450,7 @@ class CachedDataset(Dataset):
         if not file.is_file():
             return None
         try:
-            meta = json.loads(file.read_text(encoding="utf-8"))
+            meta: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
             valid = meta["format"] == _FORMAT and isinstance(meta["fields"], list)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             valid = False

@@ -12,14 +12,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from stoker.data.csv_layout import check_policy
 from stoker.data.parquet import require_pyarrow
 from stoker.data.records import BadRecordPolicy, BadSample
-from stoker.data.tabular import (
-    CsvChunk,
-    TargetDtype,
-    check_policy,
-    iter_csv_chunks,
-)
+from stoker.data.tabular import CsvChunk, TargetDtype, iter_csv_chunks
 from stoker.errors import ConfigError, DataError
 
 __all__ = ["ConversionReport", "ConvertFormat", "convert_csv"]
@@ -183,7 +179,8 @@ def _to_parquet(
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + _PARTIAL)
     writer = None
-    written, skipped = 0, []
+    written = 0
+    skipped: list[BadSample] = []
     names: tuple[tuple[str, ...], str | None] = ((), None)
     try:
         for chunk in chunks:

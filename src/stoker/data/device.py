@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -108,7 +108,9 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
         if all(moved[key] is value for key, value in obj.items()):
             return obj
         try:
-            return type(obj)(moved)
+            # A Mapping subclass (dict, OrderedDict...) takes its items; abstract Mapping's
+            # constructor says nothing of that, hence the cast.
+            return cast("Callable[[dict[Any, Any]], Any]", type(obj))(moved)
         except TypeError:
             # Mappings whose constructor takes other arguments (e.g. defaultdict).
             return moved

@@ -50,7 +50,7 @@ def _pillow() -> ModuleType:
 
 def _image_files(folder: Path, extensions: tuple[str, ...]) -> list[str]:
     """Image files under ``folder`` (recursively, following links), in sorted order."""
-    found = []
+    found: list[str] = []
     for directory, subdirs, files in os.walk(folder, followlinks=True):
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         found.extend(
@@ -61,7 +61,7 @@ def _image_files(folder: Path, extensions: tuple[str, ...]) -> list[str]:
     return found
 
 
-class ImageFolder(Dataset):
+class ImageFolder(Dataset[Any]):
     """Images stored as ``root/<class name>/<file>``; samples are ``(image, class id)``.
 
     Class names are the sub-folders of ``root`` in sorted order, numbered from 0.
@@ -134,7 +134,8 @@ class ImageFolder(Dataset):
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.targets = torch.tensor([target for _, target in self.samples], dtype=torch.long)
         # Shared, so the note about converted files is logged once whichever worker sees one.
-        self._noted = torch.zeros((), dtype=torch.bool).share_memory_()
+        false = torch.zeros((), dtype=torch.bool)
+        self._noted = false.share_memory_()  # type: ignore[no-untyped-call]  # torch: unannotated
         self._keep_source = ""  # under keep: the file whose mode every image must have
         self.image_mode: str = self._settle_mode()
 
@@ -147,7 +148,7 @@ class ImageFolder(Dataset):
         """The mode samples are decoded to, checked on the first file of each class."""
         if self.mode not in (None, "keep"):
             return self.mode
-        first = {}
+        first: dict[int, str] = {}
         for path, target in self.samples:
             if target not in first and len(first) < _PEEK_LIMIT:
                 first[target] = path

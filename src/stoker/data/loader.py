@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -63,7 +63,7 @@ __all__ = ["EpochLoader", "PerSampleView", "SamplerName", "build_loader", "skip_
 _WORKER_STREAM = 1
 
 
-def _returns_batches(dataset: Dataset) -> bool:
+def _returns_batches(dataset: Dataset[Any]) -> bool:
     """Whether ``dataset.__getitems__`` yields one collated batch (also through a Subset)."""
     if isinstance(dataset, Subset):
         return _returns_batches(dataset.dataset)
@@ -98,11 +98,11 @@ class EpochLoader:
 
     def __init__(
         self,
-        dataloader: DataLoader,
+        dataloader: DataLoader[Any],
         *,
         seed: int = 0,
         epoch: int = 0,
-        dataset: Dataset | None = None,
+        dataset: Dataset[Any] | None = None,
         returns_batches: bool = False,
         timeout_s: float | None = None,
     ) -> None:
@@ -162,12 +162,12 @@ class EpochLoader:
         self.set_epoch(epoch)
 
     @property
-    def sampler(self) -> Sampler | None:
+    def sampler(self) -> Sampler[Any] | None:
         """The sampler of a map-style dataset (the batch sampler when bucketing), or None."""
         if isinstance(self.dataloader.dataset, IterableDataset):
             return None
         if isinstance(self.dataloader.batch_sampler, LengthBucketBatchSampler):
-            return self.dataloader.batch_sampler  # type: ignore[return-value]
+            return self.dataloader.batch_sampler
         return self.dataloader.sampler  # type: ignore[return-value]
 
     def set_epoch(self, epoch: int) -> None:
@@ -231,6 +231,7 @@ class EpochLoader:
     def _pass(self) -> Iterator[Any]:
         skip = self._begin_pass()
         read = self._resumed_read if skip else 0
+        batches: Iterable[Any]
         # Resuming mid-epoch: the index source starts past the batches already trained
         # on, none of them read again (see resume_skip).
         if self._direct:
@@ -279,7 +280,7 @@ class EpochLoader:
                 log.record_good(collated_size(batch))
         # PyTorch's pinning passes a FilteredBatch through untouched; pin what is left.
         if batch is not None and self.dataloader.pin_memory:
-            batch = pin_memory(batch)
+            batch = pin_memory(batch)  # type: ignore[no-untyped-call]  # torch: unannotated
         return batch
 
     def _direct_batches(self, start: int = 0) -> Iterator[Any]:
@@ -300,7 +301,7 @@ class EpochLoader:
                 raise
             except Exception as error:
                 raise sample_error(error, dataset, idx, batched=True) from error
-            yield pin_memory(batch) if pin else batch
+            yield pin_memory(batch) if pin else batch  # type: ignore[no-untyped-call]  # (same)
 
     def __len__(self) -> int:
         try:
@@ -343,7 +344,7 @@ class EpochLoader:
         )
 
 
-def _dataset_length(dataset: Dataset) -> int:
+def _dataset_length(dataset: Dataset[Any]) -> int:
     try:
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError as error:
@@ -361,7 +362,7 @@ def _dataset_length(dataset: Dataset) -> int:
 
 
 def build_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     *,
     batch_size: int = 64,
     shuffle: bool = False,
@@ -466,7 +467,7 @@ def build_loader(
         num_workers = 0
     # Read through a wrapper, so that an exception names the sample (and worker); in
     # workers each batch under seeds of its own, so a resume may skip batches exactly.
-    fetched: Dataset = dataset
+    fetched: Dataset[Any] = dataset
     if not streaming:
         fetched = (
             SeededFetch(dataset, batched=batched, seed=seed)
@@ -474,7 +475,7 @@ def build_loader(
             else NamedFetch(dataset, batched=batched)
         )
 
-    index_sampler: Sampler | None = None
+    index_sampler: Sampler[Any] | None = None
     if resolved == "random" and callable(getattr(dataset, "row_group_offsets", None)):
         # Read by row groups (Parquet): shuffle blocks, then within a few at a time.
         index_sampler = BlockShuffleSampler(dataset.row_group_offsets(), seed=seed)  # type: ignore[attr-defined]

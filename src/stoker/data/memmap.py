@@ -95,7 +95,7 @@ def _read_rows(path: Path, array: np.memmap, idx: np.ndarray) -> np.ndarray:
     return np.frombuffer(data, dtype=array.dtype).reshape(idx.size, *row_shape)
 
 
-class NpyDataset(Dataset):
+class NpyDataset(Dataset[Any]):
     """Samples stored as .npy files, one file per field; the files need not fit in memory.
 
     Opening reads only the headers. ``__getitems__`` sorts a batch's indices (so reads
@@ -186,7 +186,7 @@ class NpyDataset(Dataset):
                 )
         self._names = names
         self._paths = paths
-        self._length = lengths[0]
+        self._length: int = lengths[0]
         self._mmap = bool(mmap)
         self._max_mapped = None if max_mapped_mib is None else max_mapped_mib << 20
         row_bytes = [int(np.prod(a.shape[1:], dtype=np.int64)) * a.itemsize for a in arrays]

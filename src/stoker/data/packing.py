@@ -94,7 +94,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-class PackedBlocks(Dataset):
+class PackedBlocks(Dataset[Any]):
     """Fixed-length causal-LM blocks of a packed token stream; no padding anywhere.
 
     ``dataset[i]`` is ``(inputs, targets)``: ``block_size`` token ids and the same ids

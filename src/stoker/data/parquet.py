@@ -52,7 +52,7 @@ class _Group:
     reasons: dict[int, str]
 
 
-class ParquetDataset(Dataset):
+class ParquetDataset(Dataset[Any]):
     """Rows of one Parquet file or a folder of them as samples ``(features, target)``.
 
     Opening reads only the metadata (row-group sizes and the schema). A fetch reads
@@ -155,7 +155,7 @@ class ParquetDataset(Dataset):
         self._file_start = np.concatenate(([0], np.cumsum(file_rows, dtype=np.int64)))
         self._length = int(self._group_start[-1])
         self._schema = {f.name: str(f.type) for f in handles[0].schema_arrow}
-        self._handles: list[pq.ParquetFile | None] | None = list(handles)
+        self._handles = list(handles)
         self._pid = os.getpid()
         self._cache: OrderedDict[int, _Group] = OrderedDict()
 
@@ -210,7 +210,8 @@ class ParquetDataset(Dataset):
         Row group ``g`` holds samples ``offsets[g]`` to ``offsets[g + 1] - 1``; a sampler
         that shuffles within a few groups at a time reads each group about once.
         """
-        return self._group_start.tolist()
+        offsets: list[int] = self._group_start.tolist()
+        return offsets
 
     @property
     def targets(self) -> torch.Tensor | None:
@@ -405,7 +406,8 @@ def _column(
         column = column.cast(pa.float64())
     if column.null_count:
         column = column.fill_null(False if pa.types.is_boolean(column.type) else 0)
-    return column.to_numpy().astype(dtype, copy=False)
+    array: np.ndarray = column.to_numpy().astype(dtype, copy=False)
+    return array
 
 
 def _parse_text(

@@ -240,7 +240,7 @@ class FilteredBatch:
     bad: list[BadSample]
 
 
-def first_sample(batch: tuple | FilteredBatch) -> tuple | BadSample:
+def first_sample(batch: tuple[Any, ...] | FilteredBatch) -> tuple[Any, ...] | BadSample:
     """The one sample of a batched source's one-index batch: ``__getitem__`` for sources
     that read whole batches (Parquet, CSV), with a bad record's stand-in under ``skip``."""
     if isinstance(batch, FilteredBatch):

@@ -77,7 +77,7 @@ def _to_tensor(array: Any, label: str) -> torch.Tensor:
     return tensor
 
 
-class ArrayDataset(Dataset):
+class ArrayDataset(Dataset[Any]):
     """Samples stored as rows of tensors that share their first dimension.
 
     Like ``TensorDataset``, but ``__getitems__`` gathers a whole batch with one index
@@ -213,7 +213,9 @@ class ArrayDataset(Dataset):
         return f"ArrayDataset({self._length} samples; {fields})"
 
 
-def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int) -> tuple[Dataset, Dataset]:
+def split_dataset(
+    dataset: Dataset[Any], val_fraction: float, *, seed: int
+) -> tuple[Dataset[Any], Dataset[Any]]:
     """Split a map-style dataset into train and validation parts, deterministically.
 
     The permutation comes from a ``torch.Generator`` seeded with ``seed``, so the split
@@ -237,12 +239,12 @@ def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int) -> tuple[
 
 
 def split_train_val_test(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     *,
     val_fraction: float | None,
     test_fraction: float | None = None,
     seed: int,
-) -> tuple[Dataset, Dataset | None, Dataset | None]:
+) -> tuple[Dataset[Any], Dataset[Any] | None, Dataset[Any] | None]:
     """Split off validation and test parts of a map-style dataset, deterministically.
 
     One permutation seeded with ``seed``: its first ``val_fraction`` share is the
@@ -304,7 +306,7 @@ def split_train_val_test(
     if isinstance(dataset, TensorDataset):
         dataset = ArrayDataset.from_tensor_dataset(dataset)
 
-    def part(idx: torch.Tensor) -> Dataset:
+    def part(idx: torch.Tensor) -> Dataset[Any]:
         if isinstance(dataset, ArrayDataset):
             return dataset.subset(idx)
         return Subset(dataset, idx.tolist())
@@ -316,7 +318,7 @@ def split_train_val_test(
     )
 
 
-def _wrapped(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None] | None:
+def _wrapped(dataset: Dataset[Any]) -> tuple[Dataset[Any], torch.Tensor | None] | None:
     """The dataset ``dataset`` reads from, and the indices into it (None: the same ones).
 
     A ``Subset`` (stoker's ``val_fraction`` split, or ``random_split``) reads the rows at
@@ -329,7 +331,9 @@ def _wrapped(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None] | None:
     return None
 
 
-def _per_sample(dataset: Dataset, own: Callable[[Dataset], torch.Tensor | None]) -> Any:
+def _per_sample(
+    dataset: Dataset[Any], own: Callable[[Dataset[Any]], torch.Tensor | None]
+) -> torch.Tensor | None:
     """``own(dataset)``, else that of the dataset it wraps, mapped onto its samples."""
     value = own(dataset)
     if value is not None:
@@ -343,7 +347,7 @@ def _per_sample(dataset: Dataset, own: Callable[[Dataset], torch.Tensor | None])
     return values[inner[1]]
 
 
-def _own_targets(dataset: Dataset) -> torch.Tensor | None:
+def _own_targets(dataset: Dataset[Any]) -> torch.Tensor | None:
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[1] if len(dataset.tensors) > 1 else None
     try:
@@ -358,7 +362,7 @@ def _own_targets(dataset: Dataset) -> torch.Tensor | None:
         return None
 
 
-def _own_lengths(dataset: Dataset) -> Any:
+def _own_lengths(dataset: Dataset[Any]) -> Any:
     lengths = getattr(dataset, "lengths", None)
     if lengths is None:
         return None
@@ -372,7 +376,7 @@ def _own_lengths(dataset: Dataset) -> Any:
         return lengths  # as given: the sampler's check says what is wrong with it
 
 
-def dataset_targets(dataset: Dataset) -> torch.Tensor | None:
+def dataset_targets(dataset: Dataset[Any]) -> torch.Tensor | None:
     """The labels of ``dataset`` if they are known without reading every sample.
 
     Known for ``ArrayDataset`` (second field), ``TensorDataset`` (second tensor), any
@@ -386,7 +390,7 @@ def dataset_targets(dataset: Dataset) -> torch.Tensor | None:
     return _per_sample(dataset, _own_targets)
 
 
-def dataset_lengths(dataset: Dataset) -> torch.Tensor | None:
+def dataset_lengths(dataset: Dataset[Any]) -> torch.Tensor | None:
     """The per-sample lengths of ``dataset`` (for ``sampler: bucket``), if it declares them.
 
     Known for a dataset with a ``lengths()`` method (or a ``lengths`` array), and for a
@@ -399,7 +403,7 @@ def dataset_lengths(dataset: Dataset) -> torch.Tensor | None:
     return _per_sample(dataset, _own_lengths)
 
 
-def origin_indices(dataset: Dataset, whole: int) -> torch.Tensor | None:
+def origin_indices(dataset: Dataset[Any], whole: int) -> torch.Tensor | None:
     """Which samples of an ``whole``-sample dataset ``dataset`` holds, if it is a part of one.
 
     Follows ``Subset``s, ``CachedDataset``s and :meth:`ArrayDataset.subset` parts (what
@@ -411,7 +415,8 @@ def origin_indices(dataset: Dataset, whole: int) -> torch.Tensor | None:
         of one with ``whole`` samples.
     """
     indices: torch.Tensor | None = None
-    current: Dataset | None = dataset
+    step: torch.Tensor | None
+    current: Dataset[Any] | None = dataset
     while current is not None:
         if isinstance(current, ArrayDataset):
             if current._origin is None:
@@ -432,14 +437,14 @@ def origin_indices(dataset: Dataset, whole: int) -> torch.Tensor | None:
     return None
 
 
-def origin_lengths(dataset: Dataset) -> list[int]:
+def origin_lengths(dataset: Dataset[Any]) -> list[int]:
     """The sample counts of the datasets ``dataset`` is a part of, nearest first.
 
     Empty for a dataset that is no ``Subset`` or ``val_fraction`` part; used to name,
     in a message, the lengths a per-sample value could have been given for.
     """
     lengths: list[int] = []
-    current: Dataset | None = dataset
+    current: Dataset[Any] | None = dataset
     while current is not None:
         if isinstance(current, ArrayDataset):
             if current._origin is not None:
@@ -454,7 +459,7 @@ def origin_lengths(dataset: Dataset) -> list[int]:
     return lengths
 
 
-def innermost(dataset: Dataset) -> tuple[Dataset, torch.Tensor | None, str]:
+def innermost(dataset: Dataset[Any]) -> tuple[Dataset[Any], torch.Tensor | None, str]:
     """The dataset under any ``Subset``/``CachedDataset`` wrappers, and how to reach it.
 
     Returns:

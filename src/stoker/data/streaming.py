@@ -75,7 +75,7 @@ def _count_npy(path: Path) -> int:
     return int(np.load(path, mmap_mode="r", allow_pickle=False).shape[0])
 
 
-def _load_pt(path: Path) -> Sequence[Any]:
+def _load_pt(path: Path) -> torch.Tensor | Sequence[Any]:
     data = torch.load(path, map_location="cpu", weights_only=True)
     if (isinstance(data, torch.Tensor) and data.dim() > 0) or isinstance(data, list | tuple):
         return data
@@ -201,7 +201,7 @@ class _Plan:
         return worker * world_size + rank
 
 
-class ShardStream(IterableDataset):
+class ShardStream(IterableDataset[Any]):
     """Samples streamed from shard files, each seen once per epoch over all ranks and workers.
 
     **Split.** With at least as many shards as (rank, worker) slots, shards are dealt

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ def as_batch(features: np.ndarray, target: np.ndarray | None) -> tuple[torch.Ten
     return torch.from_numpy(features), torch.from_numpy(target)
 
 
-class CsvDataset(Dataset):
+class CsvDataset(Dataset[Any]):
     """Rows of a CSV file as samples ``(features, target)``, read a batch at a time.
 
     On first use (``len()`` or a fetch) one streaming pass records where every line

@@ -80,7 +80,7 @@ def _line_index(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     return start_array, np.concatenate(numbers).astype(np.int64)
 
 
-class JsonlDataset(Dataset):
+class JsonlDataset(Dataset[Any]):
     """One JSON object per line, read by byte offset: the file never sits in memory.
 
     The first use scans the file once for line offsets (and, when string labels must be
@@ -298,7 +298,7 @@ class JsonlDataset(Dataset):
         return f"JsonlDataset({str(self.path)!r}, text_field={self.text_field!r})"
 
 
-class TextListDataset(Dataset):
+class TextListDataset(Dataset[Any]):
     """In-memory texts and labels; samples are ``(token ids, label)``.
 
     String labels become class ids in sorted order (``classes``); int labels are used as

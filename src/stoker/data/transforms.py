@@ -164,17 +164,18 @@ def as_transform(transform: Callable[..., Any]) -> Transform:
             hint="e.g. transform=Compose([ToTensor(), RandomHorizontalFlip()])",
         )
     if _takes_generator(transform):
-        return transform  # type: ignore[return-value]
+        return transform
     return _GlobalRngTransform(transform)
 
 
 def _size_pair(size: int | Sequence[int], owner: str) -> tuple[int, int]:
+    pair: tuple[Any, ...]  # what the caller gave, checked below
     try:
-        pair = (size, size) if isinstance(size, numbers.Integral) else tuple(size)
+        pair = (size, size) if isinstance(size, int | numbers.Integral) else tuple(size)
     except TypeError:
         pair = ()
     if len(pair) != 2 or not all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in pair
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) > 0 for v in pair
     ):
         raise ConfigError(
             f"{owner} size={size!r}; expected a positive int or a (height, width) pair.",
@@ -268,15 +269,15 @@ class Normalize:
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """``x`` normalized; a DataError when its channels do not match the statistics."""
-        x = _need_tensor(x, "Normalize")
-        channels = x.shape[-3] if x.dim() >= 3 else 1
+        image = _need_tensor(x, "Normalize")
+        channels = image.shape[-3] if image.dim() >= 3 else 1
         if self.mean.shape[0] not in (1, channels):
             raise DataError(
                 f"Normalize has {self.mean.shape[0]} channel statistics but the image has "
-                f"{channels} channels (shape {tuple(x.shape)}).",
+                f"{channels} channels (shape {tuple(image.shape)}).",
                 hint="give one mean and std per channel",
             )
-        return (x - self.mean) / self.std
+        return (image - self.mean) / self.std
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
@@ -349,16 +350,16 @@ class RandomCrop:
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """A crop of ``x`` (padded first by ``padding``) at a place drawn from ``generator``."""
-        x = _need_tensor(x, "RandomCrop")
+        image = _need_tensor(x, "RandomCrop")
         generator = _need_generator(generator, "RandomCrop")
         if self.padding:
-            x = F.pad(x, (self.padding,) * 4)
+            image = F.pad(image, (self.padding,) * 4)
         height, width = self.size
-        free_h, free_w = x.shape[-2] - height, x.shape[-1] - width
+        free_h, free_w = image.shape[-2] - height, image.shape[-1] - width
         if free_h < 0 or free_w < 0:
             raise DataError(
                 f"RandomCrop size {self.size} is larger than the (padded) image "
-                f"{tuple(x.shape[-2:])}.",
+                f"{tuple(image.shape[-2:])}.",
                 hint="Resize the image first, or crop a smaller size",
             )
         # One draw picks the window among all (free_h + 1) * (free_w + 1) positions.
@@ -366,7 +367,7 @@ class RandomCrop:
             int(torch.randint((free_h + 1) * (free_w + 1), (), generator=generator)), free_w + 1
         )
         # narrow() is a view, like slicing, without parsing an index expression.
-        return x.narrow(-2, top, height).narrow(-1, left, width)
+        return image.narrow(-2, top, height).narrow(-1, left, width)
 
     def __repr__(self) -> str:
         return f"RandomCrop({self.size}, padding={self.padding})"
@@ -385,10 +386,10 @@ class RandomHorizontalFlip:
 
     def __call__(self, x: Any, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """``x`` mirrored or not; it draws either way, so later draws do not depend on it."""
-        x = _need_tensor(x, "RandomHorizontalFlip")
+        image = _need_tensor(x, "RandomHorizontalFlip")
         # Always draw, so the generator advances the same way whatever the outcome.
         flip = float(torch.rand((), generator=_need_generator(generator, "RandomHorizontalFlip")))
-        return x.flip(-1) if flip < self.p else x
+        return image.flip(-1) if flip < self.p else image
 
     def __repr__(self) -> str:
         return f"RandomHorizontalFlip(p={self.p})"
@@ -430,7 +431,8 @@ class SharedEpoch:
     """
 
     def __init__(self, epoch: int = 0) -> None:
-        self._value = torch.zeros((), dtype=torch.int64).share_memory_()
+        zero = torch.zeros((), dtype=torch.int64)
+        self._value = zero.share_memory_()  # type: ignore[no-untyped-call]  # torch: unannotated
         self._value.fill_(int(epoch))
 
     @property
@@ -446,7 +448,7 @@ class SharedEpoch:
         return f"SharedEpoch({self.value})"
 
 
-class ReproducibleTransformDataset(Dataset):
+class ReproducibleTransformDataset(Dataset[Any]):
     """Apply a transform to the first field of each sample of any map-style dataset.
 
     Sample ``i`` of epoch ``e`` is transformed with ``sample_generator(seed, e, i)``, so
@@ -458,7 +460,9 @@ class ReproducibleTransformDataset(Dataset):
         ...                                   seed=0)
     """
 
-    def __init__(self, dataset: Dataset, transform: Callable[..., Any], *, seed: int = 0) -> None:
+    def __init__(
+        self, dataset: Dataset[Any], transform: Callable[..., Any], *, seed: int = 0
+    ) -> None:
         """Wrap ``dataset``.
 
         Args:

@@ -180,12 +180,14 @@ def balanced_weights(targets: torch.Tensor | np.ndarray | Sequence[Any]) -> torc
             "class labels contain NaN or inf; expected class ids.",
             hint="clean the labels before computing balanced weights",
         )
+    inverse: torch.Tensor
+    counts: torch.Tensor
     _, inverse, counts = torch.unique(t.cpu(), return_inverse=True, return_counts=True)
     weights = 1.0 / counts.to(torch.float64)
     return weights[inverse]
 
 
-def _labels_hint(dataset: Dataset) -> str:
+def _labels_hint(dataset: Dataset[Any]) -> str:
     """How to make ``weights=balanced`` work for ``dataset``, whose labels are unknown."""
     inner, _, _ = innermost(dataset)
     kind = type(inner).__name__
@@ -202,7 +204,7 @@ def _labels_hint(dataset: Dataset) -> str:
     )
 
 
-def _sample_weights(dataset: Dataset, weights: Any) -> torch.Tensor:
+def _sample_weights(dataset: Dataset[Any], weights: Any) -> torch.Tensor:
     """``weights`` for the samples of ``dataset``, taken from weights given for the whole.
 
     With ``data.val_fraction`` the loader reads the training part of a split, while the
@@ -230,7 +232,7 @@ def _sample_weights(dataset: Dataset, weights: Any) -> torch.Tensor:
 
 
 def weighted_sampler_for(
-    dataset: Dataset, weights: Any, *, num_samples: int | None, seed: int
+    dataset: Dataset[Any], weights: Any, *, num_samples: int | None, seed: int
 ) -> EpochWeightedSampler:
     """The weighted sampler of ``loader.weights`` over ``dataset``.
 

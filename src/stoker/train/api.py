@@ -22,7 +22,7 @@ from stoker.train.session import FitResult, train_run
 
 logger = logging.getLogger("stoker")
 
-DataLike = Dataset | IterableDataset | Sequence[torch.Tensor | np.ndarray]
+DataLike = Dataset[Any] | IterableDataset[Any] | Sequence[torch.Tensor | np.ndarray]
 
 
 def fit(
@@ -113,8 +113,8 @@ def fit(
 
 
 def _split(
-    train: Dataset, val: Dataset | None, test: Dataset | None, data: DataConfig
-) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    train: Dataset[Any], val: Dataset[Any] | None, test: Dataset[Any] | None, data: DataConfig
+) -> tuple[Dataset[Any], Dataset[Any] | None, Dataset[Any] | None]:
     """``val_fraction`` and ``test_fraction`` split train when no such dataset is given."""
     if test is not None and data.test_fraction is not None:
         raise ConfigError(
@@ -144,7 +144,7 @@ def _float_dtype(model: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
-def _as_dataset(data: DataLike, argument: str, *, dtype: torch.dtype | None = None) -> Dataset:
+def _as_dataset(data: DataLike, argument: str, *, dtype: torch.dtype | None = None) -> Dataset[Any]:
     if isinstance(data, (Dataset, IterableDataset)):
         return data
     if (

@@ -135,6 +135,7 @@ class Callbacks:
     def _step_end(self, loop: Loop, metrics: Any, batch: int) -> None:
         state = loop.state
         take = getattr(metrics, "take_step", None)
+        assert loop.step_loss is not None  # the step that just ended set it
         record = StepRecord(
             step=state.step,
             epoch=state.epoch_number,

@@ -9,7 +9,7 @@ import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -173,6 +173,7 @@ def _train_run(
 
     # Rank 0 makes the run dir; the others write into the same one.
     run_dir = dist.broadcast(_run_dir(config, resume) if dist.is_main else None)
+    assert run_dir is not None  # every rank has rank 0's
     fingerprint = None
     if config.data.fingerprint != "off":
         fingerprint = fingerprint_dataset(
@@ -245,7 +246,8 @@ def _train_run(
         if fingerprint is not None:
             write_fingerprint(fingerprint, run_dir)
 
-    called_model = torch.compile(wrapped) if config.train.compile else wrapped
+    # torch.compile of a Module is a Module (an OptimizedModule); its annotations say Callable.
+    called_model = cast(nn.Module, torch.compile(wrapped)) if config.train.compile else wrapped
     tracking = config.tracking
     mlflow = None
     if tracking.mlflow:
@@ -281,7 +283,9 @@ def _train_run(
     if data_warning:
         view.message(f"warning: {data_warning}")
 
-    def save(loop: Loop, *, epoch: int, metrics: dict | None, in_epoch: dict | None) -> None:
+    def save(
+        loop: Loop, *, epoch: int, metrics: dict[str, Any] | None, in_epoch: dict[str, Any] | None
+    ) -> None:
         # Every rank hands rank 0 its RNG states and loader position (a collective),
         # and under FSDP its shard of the weights.
         weights = parts.weights.state(model, optimizer)
@@ -303,9 +307,9 @@ def _train_run(
         if config.checkpoint.enabled:
             save(loop, epoch=record["epoch"], metrics=record, in_epoch=None)
 
-    def save_in_epoch(loop: Loop, progress_in_epoch: dict[str, Any]) -> None:
+    def save_in_epoch(loop: Loop, progress: dict[str, Any]) -> None:
         # Not a candidate for best: there are no validation metrics mid-epoch.
-        save(loop, epoch=state.epoch_number, metrics=None, in_epoch=progress_in_epoch)
+        save(loop, epoch=state.epoch_number, metrics=None, in_epoch=progress)
 
     stop: Any = AgreedStop() if dist.enabled else None
     timer = PhaseTimer(device)
