@@ -279,7 +279,10 @@ def _collate_dicts(
 class PadCollate:
     """:func:`pad_collate` with its options bound: ``collate_fn=PadCollate(max_length=128)``.
 
-    A frozen dataclass, so it pickles to worker processes (a lambda would not).
+    A frozen dataclass, so it pickles to worker processes (a lambda would not). Its fields
+    are :func:`pad_collate`'s keyword arguments, with the same defaults: ``pad_value``,
+    ``side``, ``max_length``, ``pad_to_multiple_of``, ``sequence_key``, ``pad_values`` and
+    ``pad_keys``.
     """
 
     pad_value: float = 0

@@ -366,6 +366,8 @@ class BlockShuffleSampler(EpochRandomSampler):
     Here the order of the blocks is shuffled, then samples are shuffled within windows
     of ``window`` consecutive blocks of that order: every sample once per epoch, a
     different order each epoch, and only ``window`` decoded blocks needed at a time.
+    ``seed``, ``rank``, ``world_size`` and ``drop_last`` are those of
+    :class:`EpochRandomSampler`.
     """
 
     def __init__(
