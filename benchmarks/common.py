@@ -64,12 +64,26 @@ class StepStamps:
     training step (fetch, forward, loss, backward, optimizer, bookkeeping).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, cpu: bool = False) -> None:
         self.stamps: list[float] = []
-        self._handle = model.register_forward_pre_hook(self._stamp)
+        #: With ``cpu``: this process's CPU time at each forward too (``cpu_span_s``),
+        #: which other jobs on a shared machine disturb less than the wall clock.
+        self.cpu_stamps: list[float] = []
+        self._handle = model.register_forward_pre_hook(self._stamp_cpu if cpu else self._stamp)
 
     def _stamp(self, module: nn.Module, args: Any) -> None:
         self.stamps.append(time.perf_counter())
+
+    def _stamp_cpu(self, module: nn.Module, args: Any) -> None:
+        self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
+
+    def cpu_span_s(self) -> float:
+        """CPU time from the first forward to the last, extrapolated by one step."""
+        n = len(self.cpu_stamps)
+        if n < 2:
+            return float("nan")
+        return (self.cpu_stamps[-1] - self.cpu_stamps[0]) * n / (n - 1)
 
     def remove(self) -> None:
         self._handle.remove()

@@ -301,12 +301,13 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
 
     root = Path(tempfile.mkdtemp(prefix="stoker-cnn-"))
 
-    def timed(run) -> float:
+    def timed(run) -> dict[str, float]:
         net = model()
-        stamps = StepStamps(net)
+        stamps = StepStamps(net, cpu=True)
         run(net)
         stamps.remove()
-        return _span(stamps.stamps) * steps / max(1, len(stamps.stamps) - 1)
+        scale = steps / max(1, len(stamps.stamps) - 1)
+        return {"train_s": _span(stamps.stamps) * scale, "cpu_s": _span(stamps.cpu_stamps) * scale}
 
     def hand(net: nn.Module) -> None:
         data = torch.utils.data.TensorDataset(images, labels)
@@ -342,7 +343,9 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
     skipped = lightning_status()
     if not skipped:
         contenders["lightning"] = lambda: timed(lightning)
-    records = interleaved(contenders, rounds=rounds)
+    runs = interleaved(contenders, rounds=rounds)
+    records = {name: [r["train_s"] for r in rs] for name, rs in runs.items()}
+    cpu = {name: [r["cpu_s"] for r in rs] for name, rs in runs.items()}
     checks = [
         target_check(
             bench,
@@ -352,9 +355,15 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
             1.03,
             note="compute-bound: the loop's overhead is a small share of a long step",
         ),
+        info(
+            bench,
+            "CNN: stoker / hand loop, CPU time",
+            paired_ratio(cpu["stoker"], cpu["hand"]),
+            unit="x",
+        ),
         lightning_check("CNN: lightning / hand loop, train time", records, skipped),
     ]
-    return {"train_s": records, "samples": samples}, checks
+    return {"train_s": records, "cpu_s": cpu, "samples": samples}, checks
 
 
 def main() -> None:

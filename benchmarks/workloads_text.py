@@ -130,6 +130,11 @@ def padding(dataset: TextListDataset, batch_size: int) -> dict[str, float]:
     }
 
 
+def ratio_info(figure: str, values: dict[str, list[float]], name: str) -> Check:
+    """``name`` / hand, the median of per-round ratios (no target)."""
+    return info(BENCH, figure, paired_ratio(values[name], values["hand"]), unit="x")
+
+
 def text_benchmark(
     texts: list[str],
     labels: list[int],
@@ -149,12 +154,17 @@ def text_benchmark(
     def timed(run):
         def one() -> dict[str, float]:
             model = build()
-            stamps = StepStamps(model)
+            stamps = StepStamps(model, cpu=True)
             started = time.perf_counter()
             run(model)
             wall = time.perf_counter() - started
             stamps.remove()
-            return {"train_s": stamps.span_s(), "wall_s": wall, "steps": len(stamps.stamps)}
+            return {
+                "train_s": stamps.span_s(),
+                "cpu_s": stamps.cpu_span_s(),
+                "wall_s": wall,
+                "steps": len(stamps.stamps),
+            }
 
         return one
 
@@ -188,6 +198,7 @@ def text_benchmark(
     records = interleaved(contenders, rounds=rounds)
     train = {name: [r["train_s"] for r in rs] for name, rs in records.items()}
     wall = {name: [r["wall_s"] for r in rs] for name, rs in records.items()}
+    cpu = {name: [r["cpu_s"] for r in rs] for name, rs in records.items()}
     pads = padding(shared, batch_size)
     checks = [
         info(BENCH, f"text: {name} train time, one epoch", median(values), unit="s")
@@ -225,7 +236,8 @@ def text_benchmark(
             unit="x",
         )
     )
-    return {"train_s": train, "wall_s": wall, "padding": pads, "samples": len(texts)}, checks
+    figures = {"train_s": train, "cpu_s": cpu, "wall_s": wall, "padding": pads}
+    return {**figures, "samples": len(texts)}, checks
 
 
 def main() -> None:
