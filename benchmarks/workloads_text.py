@@ -215,26 +215,15 @@ def text_benchmark(
             "of random batches",
         )
     )
-    if skip_lightning:
-        checks.append(
-            Check(BENCH, "text: lightning / hand loop, train time", None, status=skip_lightning)
-        )
-    else:
-        checks.append(
-            info(
-                BENCH,
-                "text: lightning / hand loop, train time",
-                paired_ratio(train["lightning"], train["hand"]),
-                unit="x",
-            )
-        )
+    checks.append(ratio_info("text: stoker / hand loop, CPU time", cpu, "stoker"))
+    for figure, values in (("train time", train), ("CPU time", cpu)):
+        name = f"text: lightning / hand loop, {figure}"
+        if skip_lightning:
+            checks.append(Check(BENCH, name, None, status=skip_lightning))
+        else:
+            checks.append(ratio_info(name, values, "lightning"))
     checks.append(
-        info(
-            BENCH,
-            "text: stoker / hand loop, wall time (incl. start-up)",
-            paired_ratio(wall["stoker"], wall["hand"]),
-            unit="x",
-        )
+        ratio_info("text: stoker / hand loop, wall time (incl. start-up)", wall, "stoker")
     )
     figures = {"train_s": train, "cpu_s": cpu, "wall_s": wall, "padding": pads}
     return {**figures, "samples": len(texts)}, checks
