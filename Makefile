@@ -63,13 +63,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # Side-by-side benchmarks (not part of make test): one summary table, JSON per benchmark
-# in $(BENCH_OUT); then the tests marked slow. Lightning is installed for the comparison only, pinned to this torch.
+# in $(BENCH_OUT); then the tests marked slow. Lightning and HF datasets are installed for the
+# comparison only, pinned to this torch.
 BENCH_OUT ?= bench-out
 bench: $(STAMP)
 	@$(PY) -c "import lightning" 2>/dev/null || { \
 	  $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt && \
 	  $(PY) -m pip install --quiet -c $(VENV)/torch-pin.txt lightning; } \
 	  || echo "lightning not installed: its rows will say so"
+	@$(PY) -c "import datasets" 2>/dev/null || { \
+	  $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt && \
+	  $(PY) -m pip install --quiet -c $(VENV)/torch-pin.txt datasets; } \
+	  || echo "datasets not installed: its rows will say so"
 	$(PY) benchmarks/run_all.py --out $(BENCH_OUT)
 	$(VENV)/bin/pytest -m slow -q -n $(TEST_WORKERS)
 

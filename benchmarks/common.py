@@ -10,12 +10,14 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import logging
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +64,26 @@ class StepStamps:
     training step (fetch, forward, loss, backward, optimizer, bookkeeping).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, cpu: bool = False) -> None:
         self.stamps: list[float] = []
-        self._handle = model.register_forward_pre_hook(self._stamp)
+        #: With ``cpu``: this process's CPU time at each forward too (``cpu_span_s``),
+        #: which other jobs on a shared machine disturb less than the wall clock.
+        self.cpu_stamps: list[float] = []
+        self._handle = model.register_forward_pre_hook(self._stamp_cpu if cpu else self._stamp)
 
     def _stamp(self, module: nn.Module, args: Any) -> None:
         self.stamps.append(time.perf_counter())
+
+    def _stamp_cpu(self, module: nn.Module, args: Any) -> None:
+        self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
+
+    def cpu_span_s(self) -> float:
+        """CPU time from the first forward to the last, extrapolated by one step."""
+        n = len(self.cpu_stamps)
+        if n < 2:
+            return float("nan")
+        return (self.cpu_stamps[-1] - self.cpu_stamps[0]) * n / (n - 1)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -122,6 +138,79 @@ class Timed:
 
 def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
+
+
+# ------------------------------------------------------------------ Lightning
+
+
+def lightning_status() -> str:
+    """Empty when Lightning can run here, else why its rows are left out ("not installed")."""
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return "not installed"
+    quiet_lightning()
+    return ""
+
+
+def lightning_available() -> bool:
+    return not lightning_status()
+
+
+def quiet_lightning() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def lightning_fit(model: nn.Module, loader: Iterable, epochs: int, make_opt) -> float:
+    """``Trainer.fit`` of ``model`` as a LightningModule whose step is the hand loop's body.
+
+    A dict of inputs (a padded text batch) goes to the model as keyword arguments,
+    as stoker and the hand loops pass it. No logger, checkpoints, progress bar, model
+    summary or sanity check: Lightning's own loop and nothing else.
+    """
+    import lightning as L
+
+    class Wrapped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.loss_fn = nn.CrossEntropyLoss()
+            self.last = torch.zeros(())
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            out = self.model(**xb) if isinstance(xb, Mapping) else self.model(xb)
+            loss = self.loss_fn(out, yb)
+            self.last = loss.detach()
+            return loss
+
+        def configure_optimizers(self):
+            return make_opt(self.model.parameters())
+
+    wrapped = Wrapped()
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(wrapped, train_dataloaders=loader)
+    return float(wrapped.last)
+
+
+def lightning_version() -> str | None:
+    try:
+        import lightning
+    except ImportError:
+        return None
+    return lightning.__version__
 
 
 # ------------------------------------------------------------------ timing

@@ -158,11 +158,33 @@ def plan(quick: bool) -> dict[str, Plan]:
     # One trial of a search among near-equal settings on a shared 2-core machine can
     # land either side of the 10% line; the median of three is the tuner's typical pick.
     trials = "1" if quick else "3"
+    text_samples = "256" if quick else "768"
+    parquet_mb = "50" if quick else "200"
     return {
         "loader": ("loader.py", common, "loader.json", own_checks, 180, {}),
         "trainer": ("trainer.py", common, "trainer.json", own_checks, 300, {}),
         "threads": ("threads.py", common, "threads.json", own_checks, 300, {}),
         "workloads": ("workloads.py", common, "workloads.json", own_checks, 600, {}),
+        # Byte-level docstrings through a BiGRU: stoker's length buckets vs padding each
+        # random batch to its longest text (the hand loop, Lightning).
+        "workloads_text": (
+            "workloads_text.py",
+            lambda out, threads: [*common(out, threads), "--samples", text_samples],
+            "workloads_text.json",
+            own_checks,
+            600,
+            {},
+        ),
+        # Shuffled batches of a Parquet file: stoker vs pyarrow by hand vs HF datasets,
+        # each pass in a process of its own (peak RSS per contender).
+        "workloads_parquet": (
+            "workloads_parquet.py",
+            lambda out, threads: [*common(out, threads), "--size-mb", parquet_mb],
+            "workloads_parquet.json",
+            own_checks,
+            600,
+            {"OMP_NUM_THREADS": "1"},
+        ),
         "instrumentation": (
             "instrumentation.py",
             common,

@@ -49,10 +49,8 @@ End to end (5 epochs):
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -72,8 +70,11 @@ from common import (
     compare_weights,
     info,
     interleaved,
+    lightning_available,
+    lightning_fit,
     median,
     paired_ratio,
+    quiet_lightning,
     seed_model,
     set_threads,
     spread,
@@ -175,55 +176,6 @@ class NoOpStepCallback:
 
     def on_step_end(self, loop: Any, step: Any) -> None:
         pass
-
-
-def lightning_available() -> bool:
-    try:
-        import lightning  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def lightning_fit(model: nn.Module, loader: Iterable, epochs: int, make_opt) -> float:
-    import lightning as L
-
-    class Wrapped(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-            self.loss_fn = nn.CrossEntropyLoss()
-            self.last = torch.zeros(())
-
-        def training_step(self, batch, batch_idx):
-            xb, yb = batch
-            loss = self.loss_fn(self.model(xb), yb)
-            self.last = loss.detach()
-            return loss
-
-        def configure_optimizers(self):
-            return make_opt(self.model.parameters())
-
-    wrapped = Wrapped()
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(wrapped, train_dataloaders=loader)
-    return float(wrapped.last)
-
-
-def quiet_lightning() -> None:
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="lightning")
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
 # ------------------------------------------------------------------ the two benchmarks

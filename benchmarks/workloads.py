@@ -1,5 +1,8 @@
-"""Realistic workloads, side by side: image files with augmentation, and a user's own
-per-sample Dataset, each stoker vs the plain PyTorch a user would write.
+"""Realistic workloads, side by side: image files with augmentation, a user's own
+per-sample Dataset and a CNN in memory, each stoker vs the plain PyTorch a user would
+write (and Lightning, where it is the user's alternative). The other two workloads are
+apart: variable-length text in ``workloads_text.py``, out-of-core Parquet (against
+pyarrow and HF ``datasets``) in ``workloads_parquet.py``.
 
 Images (``--files`` PNGs of 32×32 RGB in 10 class folders, made once in a temp dir):
 every contender iterates one shuffled epoch of batches of 64 with a zero-padded (4)
@@ -22,13 +25,20 @@ one numpy row per ``__getitem__``) and MLP, Adam lr 1e-2, batch 64, ``--epochs``
 - ``hand``: the seed's loop over ``DataLoader(dataset, batch_size=64, shuffle=True)``;
 - ``stoker``: ``stoker.fit(model, dataset, cache="memory")``: read once into arrays.
 
+- ``lightning``: ``Trainer.fit`` on the hand loop's DataLoader and optimizer.
+
 Timed: epochs 2 onward (forward to forward, as in trainer.py), and the first epoch
 apart. Target: hand / stoker >= 1.8 from epoch 2.
 
 CNN in memory (``--cnn-samples`` random 1×28×28 images, 10 classes, a two-layer conv
 net, Adam lr 1e-3, one epoch): ``hand`` is ``DataLoader(TensorDataset)`` and the seed's
-loop body, ``stoker`` is ``stoker.fit(model, (images, labels))``. Compute-bound: target
-stoker / hand train time <= 1.03.
+loop body, ``stoker`` is ``stoker.fit(model, (images, labels))``, ``lightning``
+``Trainer.fit`` on the hand loop's DataLoader. Compute-bound: target stoker / hand train
+time <= 1.03.
+
+Lightning runs where it is installed (``make bench`` installs it), its rows say "not
+installed" otherwise; ``Trainer(max_epochs, accelerator="cpu", devices=1)`` with no
+logger, checkpoints, progress bar or model summary.
 
 Contenders alternate round by round after a warm-up round; medians of per-round ratios;
 the 1-minute load average is recorded before and after.
@@ -54,11 +64,15 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    Check,
     CSVWindowDataset,
     Result,
     StepStamps,
     info,
     interleaved,
+    lightning_fit,
+    lightning_status,
+    lightning_version,
     median,
     paired_ratio,
     seed_model,
@@ -179,6 +193,13 @@ def _span(stamps: list[float]) -> float:
     return stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
 
 
+def lightning_check(figure: str, records: dict[str, list[float]], skipped: str) -> Check:
+    """Lightning / hand loop (no target), or the row that says why Lightning did not run."""
+    if skipped:
+        return Check("workloads", figure, None, status=skipped)
+    return info("workloads", figure, paired_ratio(records["lightning"], records["hand"]), unit="x")
+
+
 def dataset_benchmark(rounds: int, epochs: int) -> tuple[dict, list]:
     bench = "workloads"
     dataset = CSVWindowDataset()
@@ -227,9 +248,15 @@ def dataset_benchmark(rounds: int, epochs: int) -> tuple[dict, list]:
             run_dir=tempfile.mkdtemp(dir=root),
         )
 
-    records = interleaved(
-        {"hand": lambda: timed(hand), "stoker": lambda: timed(fit)}, rounds=rounds
-    )
+    def lightning(model: nn.Module) -> None:
+        loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+        lightning_fit(model, loader, epochs, lambda p: torch.optim.Adam(p, lr=1e-2))
+
+    contenders = {"hand": lambda: timed(hand), "stoker": lambda: timed(fit)}
+    skipped = lightning_status()
+    if not skipped:
+        contenders["lightning"] = lambda: timed(lightning)
+    records = interleaved(contenders, rounds=rounds)
     later = {k: [r["later_s"] for r in v] for k, v in records.items()}
     first = {k: [r["first_s"] for r in v] for k, v in records.items()}
     checks = [
@@ -246,6 +273,7 @@ def dataset_benchmark(rounds: int, epochs: int) -> tuple[dict, list]:
             paired_ratio(first["hand"], first["stoker"]),
             unit="x",
         ),
+        lightning_check("own Dataset: lightning / hand loop, epochs >= 2", later, skipped),
     ]
     return {"later_s": later, "first_s": first, "epochs": epochs}, checks
 
@@ -273,12 +301,13 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
 
     root = Path(tempfile.mkdtemp(prefix="stoker-cnn-"))
 
-    def timed(run) -> float:
+    def timed(run) -> dict[str, float]:
         net = model()
-        stamps = StepStamps(net)
+        stamps = StepStamps(net, cpu=True)
         run(net)
         stamps.remove()
-        return _span(stamps.stamps) * steps / max(1, len(stamps.stamps) - 1)
+        scale = steps / max(1, len(stamps.stamps) - 1)
+        return {"train_s": _span(stamps.stamps) * scale, "cpu_s": _span(stamps.cpu_stamps) * scale}
 
     def hand(net: nn.Module) -> None:
         data = torch.utils.data.TensorDataset(images, labels)
@@ -306,9 +335,17 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
             run_dir=tempfile.mkdtemp(dir=root),
         )
 
-    records = interleaved(
-        {"hand": lambda: timed(hand), "stoker": lambda: timed(fit)}, rounds=rounds
-    )
+    def lightning(net: nn.Module) -> None:
+        loader = DataLoader(torch.utils.data.TensorDataset(images, labels), BATCH, shuffle=True)
+        lightning_fit(net, loader, 1, lambda p: torch.optim.Adam(p, lr=1e-3))
+
+    contenders = {"hand": lambda: timed(hand), "stoker": lambda: timed(fit)}
+    skipped = lightning_status()
+    if not skipped:
+        contenders["lightning"] = lambda: timed(lightning)
+    runs = interleaved(contenders, rounds=rounds)
+    records = {name: [r["train_s"] for r in rs] for name, rs in runs.items()}
+    cpu = {name: [r["cpu_s"] for r in rs] for name, rs in runs.items()}
     checks = [
         target_check(
             bench,
@@ -317,9 +354,16 @@ def cnn_benchmark(rounds: int, samples: int) -> tuple[dict, list]:
             "<=",
             1.03,
             note="compute-bound: the loop's overhead is a small share of a long step",
-        )
+        ),
+        info(
+            bench,
+            "CNN: stoker / hand loop, CPU time",
+            paired_ratio(cpu["stoker"], cpu["hand"]),
+            unit="x",
+        ),
+        lightning_check("CNN: lightning / hand loop, train time", records, skipped),
     ]
-    return {"train_s": records, "samples": samples}, checks
+    return {"train_s": records, "cpu_s": cpu, "samples": samples}, checks
 
 
 def main() -> None:
@@ -355,6 +399,8 @@ def main() -> None:
             "threads": args.threads,
             "rounds": args.rounds,
             "epochs": args.epochs,
+            "cnn_samples": args.cnn_samples,
+            "lightning": lightning_version(),
         },
         figures={"images": image_figures, "own_dataset": data_figures, "cnn": cnn_figures},
         checks=checks,
