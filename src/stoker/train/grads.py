@@ -146,17 +146,23 @@ class FiniteCheck:
 
     def __call__(self, loss: torch.Tensor) -> tuple[bool, bool]:
         """``(loss finite, every gradient finite)``: the step's one CPU–GPU sync point."""
-        grads = [p.grad for p in self._parameters if p.grad is not None]
-        if self._join and grads:
+        if self._join:
             try:
-                # A 1-d gradient (a bias) joins as it is: a view would be one more dispatch.
-                total = torch.cat([g if g.ndim == 1 else g.view(-1) for g in grads]).sum()
+                # One pass over the parameters; a 1-d gradient (a bias) joins as it is,
+                # and ravel flattens the others (a view, with no shape to parse).
+                flat = [
+                    g if g.ndim == 1 else g.ravel()
+                    for p in self._parameters
+                    if (g := p.grad) is not None
+                ]
+                total = torch.cat(flat).sum() if flat else None
             except RuntimeError:  # a sparse gradient: summed on its own from now on
                 self._join = False
             else:
-                grads_ok = math.isfinite(total.item()) or _each_finite(grads)
+                grads_ok = total is None or math.isfinite(total.item()) or _each_finite(flat)
                 verdict = math.isfinite(loss.item()), grads_ok
                 return self._agree(*verdict) if self._agree is not None else verdict
+        grads = [p.grad for p in self._parameters if p.grad is not None]
         if self._sharded or any(g.is_sparse for g in grads):
             grads = [_values(g) for g in grads]
         if self._host:
