@@ -12,13 +12,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_restarted_group_resumes_and_ends_with_a_clean_runs_weights(
-    write_config, run_stoker, tmp_path
+    clean_run, run_stoker, tmp_path
 ):
-    config = write_config(checkpoint={"enabled": True, "every_steps": 2})
-    clean = run_stoker(
-        "train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "clean"), "--quiet"
-    )
-    assert clean.returncode == 0, clean.stderr
+    # 12 epochs with checkpoints every 2 steps; the uninterrupted run is shared with
+    # test_stop.py (conftest.py).
+    config, clean_dir = clean_run
 
     # Rank 1 dies with SIGKILL on its 150th sample (epoch 1, step 5), in the first attempt only.
     killed = run_stoker(
@@ -40,12 +38,12 @@ def test_restarted_group_resumes_and_ends_with_a_clean_runs_weights(
     assert "resuming" in killed.stdout and "in epoch 1 (step 2)" in killed.stdout
     assert "[rank 0] rank 0: a collective at batch" in killed.stderr
 
-    expected = load_file(tmp_path / "clean" / "model.safetensors")
+    expected = load_file(clean_dir / "model.safetensors")
     got = load_file(tmp_path / "elastic" / "model.safetensors")
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
     # The epoch metrics, summed over both ranks across the restart, are the clean run's too.
-    assert epoch_losses(tmp_path / "elastic") == epoch_losses(tmp_path / "clean")
+    assert epoch_losses(tmp_path / "elastic") == epoch_losses(clean_dir)
 
 
 def epoch_losses(run_dir):

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from stoker.checkpoint import DamagedCheckpointError, load_checkpoint
-from stoker.distributed.fsdp import ShardedWeights
 from stoker_cli import run_cli
 
 pytestmark = pytest.mark.distributed
@@ -76,7 +75,10 @@ def test_fsdp_trains_like_one_process_and_exports_whole_weights(write_config, ru
     for name, tensor in fsdp.items():
         assert torch.equal(got[name], tensor), name
 
-    # A damaged shard is named before anything loads.
+    # A damaged shard is named before anything loads. (Imported here: FSDP's module
+    # imports torch.distributed.checkpoint, ~1 s of CPU at every xdist worker's collection.)
+    from stoker.distributed.fsdp import ShardedWeights
+
     damaged = tmp_path / "damaged"
     shutil.copytree(resumed, damaged)
     latest = sorted(p.parent for p in (damaged / "checkpoints").glob("*/COMPLETE"))[-1]

@@ -19,13 +19,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_sigterm_stops_all_ranks_at_one_step_and_the_resume_is_exact(
-    write_config, run_stoker, tmp_path
+    clean_run, run_stoker, tmp_path
 ):
-    config = write_config(train={"epochs": 12}, checkpoint={"enabled": True})
-    clean = run_stoker(
-        "train", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "clean"), "--quiet"
-    )
-    assert clean.returncode == 0, clean.stderr
+    # 12 epochs with checkpoints every 2 steps; the uninterrupted run is shared with
+    # test_elastic.py (conftest.py).
+    config, clean_dir = clean_run
 
     run_dir = tmp_path / "stopped"
     log = tmp_path / "launcher.log"
@@ -62,7 +60,7 @@ def test_sigterm_stops_all_ranks_at_one_step_and_the_resume_is_exact(
 
     resumed = run_stoker("train", str(config), "--nproc", "2", "--resume", str(run_dir), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
-    expected = load_file(tmp_path / "clean" / "model.safetensors")
+    expected = load_file(clean_dir / "model.safetensors")
     got = load_file(run_dir / "model.safetensors")
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name

@@ -1,5 +1,6 @@
-"""The `stoker` CLI as a user runs it: a subprocess for the demo, a missing config and
-``--debug``; the other cases run the same ``main`` in-process (tests/stoker_cli.py)."""
+"""The `stoker` CLI as a user runs it: a subprocess for a missing config and ``--debug``;
+the other cases run the same ``main`` in-process (tests/stoker_cli.py). The installed
+``stoker demo`` runs as a real process in test_wheel.py."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def stoker(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[s
 
 def test_demo_trains_and_fills_the_run_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
-    done = stoker("demo", "--epochs", "3", "--run-dir", str(run_dir))
+    done = run_cli("demo", "--epochs", "3", "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
     assert "epoch 3/3" in done.stdout
     assert f"run dir: {run_dir}" in done.stdout

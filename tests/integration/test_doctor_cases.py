@@ -57,7 +57,8 @@ def rates(document: dict) -> dict[int, float]:
 
 
 def test_slow_getitem_is_input_bound(tmp_path: Path) -> None:
-    document = run_case("slow_getitem", tmp_path)
+    # Up to 4 workers: enough to show the overlap (the default sweep goes to 16).
+    document = run_case("slow_getitem", tmp_path, "--max-workers", "4")
     m = document["measurements"]
     assert m["pipeline"]["steady_data_wait_fraction"] >= 0.2
     assert m["fetch"]["per_sample_s"] >= 0.002  # the 2 ms sleep
@@ -107,7 +108,11 @@ def test_more_workers_than_cores_is_oversubscribed(tmp_path: Path) -> None:
 def test_doctor_prints_a_table_and_the_verdict(tmp_path: Path) -> None:
     config = tmp_path / "heavy.yaml"
     config.write_text(yaml.safe_dump(case_config("heavy_model", str(HERE / "doctor_cases.py"))))
-    done = doctor(config, "--seconds", "0.2", "--max-workers", "1", "--no-confirm")
+    # In-process (the cases above run the doctor as real processes).
+    done = run_cli(
+        "doctor", config, "--seconds", "0.2", "--max-workers", "1", "--no-confirm",
+        cwd=config.parent, threads=1,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     for text in ("loader (0 workers)", "compute", "pipeline", "vs pipeline", "verdict:", "fix:"):
         assert text in done.stdout

@@ -6,7 +6,9 @@ installs it (without dependencies) into a new virtual environment whose dependen
 torch among them, are the ones already installed for the tests — the "existing torch"
 case, with nothing downloaded — and then, from an empty folder, runs what a new user
 runs first. The wheel's own copy of stoker must be the one imported: if anything reached
-back into the repository (examples, docs, data), it would fail here.
+back into the repository (examples, docs, data), it would fail here. The installed
+`stoker` command runs the demo; `stoker.fit`, `train` and `doctor` then run in one
+process through the CLI's `main` (each process start imports torch, ~4 s of CPU).
 
 The full case — a fresh venv that resolves the wheel's dependencies from the package
 index with a torch already installed — is `make wheel-check`, run by CI.
@@ -120,8 +122,21 @@ def test_the_wheel_works_installed_from_an_empty_folder(tmp_path: Path) -> None:
 
     empty = tmp_path / "user-folder"
     empty.mkdir()
-    fit = (
+    # The example configs ship inside the package, where a user copies them from.
+    (packaged,) = venv.glob("lib/python*/site-packages/stoker/examples/digits.yaml")
+    shutil.copy(packaged, empty / "digits.yaml")
+
+    # The `stoker` command as installed: its version, and the demo (the README's first run).
+    out = _run([str(stoker), "demo", "--epochs", "1", "--run-dir", "demo-run"], cwd=empty, env=env)
+    assert (empty / "demo-run" / "checkpoints").is_dir(), out
+    assert "val/accuracy" in out
+    version = _run([str(stoker), "--version"], cwd=empty, env=env).strip()
+
+    # stoker.fit, `stoker train` on the packaged example and `stoker doctor`, all from
+    # the wheel: one process (the CLI's own `main`), as each start imports torch again.
+    script = (
         "import torch, stoker\n"
+        "from stoker.cli.main import main\n"
         "print('FROM', stoker.__file__, stoker.__version__)\n"
         "x = torch.randn(256, 8); y = (x[:, 0] > 0).long()\n"
         "nn = torch.nn\n"
@@ -129,34 +144,26 @@ def test_the_wheel_works_installed_from_an_empty_folder(tmp_path: Path) -> None:
         "result = stoker.fit(model, (x, y), epochs=2, batch_size=32, lr=0.05, seed=0,"
         " run_dir='fit-run')\n"
         "print('RESULT', result.metrics['train/loss'])\n"
+        "code = main(['train', 'digits.yaml', 'train.epochs=1', '--run-dir', 'train-run'])\n"
+        "print('TRAIN EXIT', code, flush=True)\n"
+        "code = main(['doctor', 'digits.yaml', '--seconds', '0.2', '--max-workers', '1',"
+        " '--no-confirm'])\n"
+        "print('DOCTOR EXIT', code)\n"
     )
-    out = _run([str(python), "-c", fit], cwd=empty, env=env)
+    out = _run([str(python), "-c", script], cwd=empty, env=env)
     where = out.split("FROM ", 1)[1].split("\n", 1)[0]
     assert where.startswith(str(venv)), f"stoker imported from outside the new venv: {where}"
+    assert version == f"stoker {where.split()[-1]}"
     assert "RESULT" in out
     assert (empty / "fit-run" / "metrics.jsonl").is_file()
 
-    out = _run([str(stoker), "--version"], cwd=empty, env=env)
-    assert out.strip() == f"stoker {where.split()[-1]}"
-
-    out = _run([str(stoker), "demo", "--epochs", "1", "--run-dir", "demo-run"], cwd=empty, env=env)
-    assert (empty / "demo-run" / "checkpoints").is_dir(), out
-    assert "val/accuracy" in out
-
-    # The example configs ship inside the package, where a user copies them from.
-    (packaged,) = venv.glob("lib/python*/site-packages/stoker/examples/digits.yaml")
-    shutil.copy(packaged, empty / "digits.yaml")
-    _run(
-        [str(stoker), "train", "digits.yaml", "train.epochs=1", "--run-dir", "train-run"],
-        cwd=empty,
-        env=env,
-    )
+    assert "TRAIN EXIT 0" in out, out
     summary = json.loads((empty / "train-run" / "summary.json").read_text())
     assert summary, "summary.json is empty"
 
-    doctor = ["doctor", "digits.yaml", "--seconds", "0.2", "--max-workers", "1", "--no-confirm"]
-    out = _run([str(stoker), *doctor], cwd=empty, env=env)
-    assert "verdict" in out.lower()
+    assert "DOCTOR EXIT 0" in out, out
+    doctor_output = out.split("TRAIN EXIT 0", 1)[1].split("DOCTOR EXIT", 1)[0]
+    assert "verdict" in doctor_output.lower(), out
 
     assert not (REPO / "runs").exists() or not any(
         p.stat().st_mtime > wheel.stat().st_mtime for p in (REPO / "runs").iterdir()

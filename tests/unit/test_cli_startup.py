@@ -134,3 +134,37 @@ def test_completion_script_knows_the_commands_and_flags(
         assert word in script, word
     # Path arguments complete as files (bash: shtab's file completer; zsh: _files).
     assert ("_shtab_compgen_files" if shell == "bash" else "_files") in script
+
+
+_LAUNCHER_SCRIPT = """
+import json, sys
+import stoker.cli.train as train_command
+from stoker.cli.main import main
+
+launched = []
+train_command._launch = lambda args, config: launched.append(args.nproc) or 0
+code = main(["train", CONFIG, "--nproc", "2"])
+launcher = sorted(m for m in HEAVY if m in sys.modules)
+import stoker.train.session
+trainer = sorted(m for m in HEAVY if m in sys.modules)
+print(json.dumps({"code": code, "launched": launched, "launcher": launcher, "trainer": trainer}))
+"""
+
+
+def test_the_launcher_and_a_training_process_import_only_what_they_use() -> None:
+    # Every `--nproc` launch starts a launcher and a process per rank, each paying its
+    # imports: the launcher trains nothing (no training session), and only FSDP runs need
+    # torch.distributed.checkpoint (~1 s of CPU: DTensor, sympy) — not every process.
+    heavy = ("stoker.train.session", "torch.distributed.checkpoint")
+    script = _LAUNCHER_SCRIPT.replace("CONFIG", repr(str(EXAMPLES / "digits.yaml")))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script.replace("HEAVY", repr(heavy)))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0 and result["launched"] == [2], result
+    assert result["launcher"] == [], f"imported by the launcher: {result['launcher']}"
+    assert result["trainer"] == ["stoker.train.session"], result["trainer"]

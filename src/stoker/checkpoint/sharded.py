@@ -16,8 +16,6 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
 from stoker.checkpoint.io import fsync_dir
 
 __all__ = [
@@ -49,6 +47,10 @@ def write_shards(folder: Path, state: dict[str, Any]) -> None:
     A collective: every rank calls it with its own shards, and it returns on each once all
     have written (DCP fsyncs each file; rank 0 writes DCP's metadata).
     """
+    # Imported here: DCP pulls in DTensor and sympy (~1 s of CPU), which every training
+    # process would pay at start (the loop imports this module) for FSDP runs only.
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=folder / SHARDS_DIR)
 
 
@@ -98,4 +100,6 @@ def check_shards(
 
 def read_shards(folder: Path, state: dict[str, Any]) -> None:
     """Fill the sharded ``state`` in place from ``folder/shards`` (a collective)."""
+    import torch.distributed.checkpoint as dcp  # only FSDP runs need it (see write_shards)
+
     dcp.load(state, checkpoint_id=folder / SHARDS_DIR)

@@ -65,13 +65,14 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
     from stoker.config import load_config
     from stoker.distributed.launch import inside_torchrun
-    from stoker.train.session import train_run
 
     config = load_config(args.config, [*args.overrides, *run_dir_overrides(args)])
     if args.resume and not args.trust_run_code:
         _refuse_run_dir_code(config, Path(args.resume))
     if args.nproc is not None and not inside_torchrun():
         return _launch(args, config)
+    from stoker.train.session import train_run  # not in the launcher, which trains nothing
+
     # Under torchrun the run resumes on as many processes as it has now.
     world = os.environ.get("WORLD_SIZE", "1")
     result = train_run(

@@ -22,13 +22,22 @@ from stoker.observe.mlflow_sink import (
 )
 from stoker.observe.sinks import MetricSink
 
-mlflow = pytest.importorskip("mlflow", reason="needs the `mlflow` extra")
-pytest.importorskip("sqlalchemy", reason="the SQLite store needs SQLAlchemy")
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-
 # SQLAlchemy 2.1 deprecates a loader option that MLflow's store still uses; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:mlflow.*")
+
+# Set by the fixture below when the first test here runs, not when pytest collects this
+# file: importing MLflow costs ~2.5 s of CPU, which every pytest-xdist worker would pay.
+MlflowClient = MlflowException = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mlflow() -> None:
+    global MlflowClient, MlflowException
+    pytest.importorskip("mlflow", reason="needs the `mlflow` extra")
+    pytest.importorskip("sqlalchemy", reason="the SQLite store needs SQLAlchemy")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
 
 CONFIG = {"name": "digits", "optim": {"name": "adamw", "lr": 0.003}, "model": {"args": {}}}
 
