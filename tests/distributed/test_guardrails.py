@@ -50,7 +50,9 @@ def test_a_hung_rank_is_named_on_every_rank_within_the_timeout(write_config, run
     assert "of epoch 1 failed: rank(s) 1 did not answer" in result.stderr
     assert "rank 1 exited with code 1" in result.stderr or "rank 1 (pid" in result.stderr
     assert "rank 0 made no progress" not in result.stderr
-    assert elapsed < 60
+    # Ended, not waiting out torch's 30-minute collective timeout: the bound is loose
+    # because two ranks starting on a busy 2-core machine took 65 s once.
+    assert elapsed < 150
 
 
 def test_a_killed_rank_is_named_with_its_signal(write_config, run_stoker, tmp_path):
