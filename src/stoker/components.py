@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: The built-in losses. The elementwise ones align ``(N, 1)`` outputs with ``(N,)``
 #: targets and refuse shapes that would broadcast (see ``stoker.train.losses``).
 LOSSES: dict[str, Callable[..., nn.Module]] = {
-    "cross_entropy": nn.CrossEntropyLoss,
+    "cross_entropy": losses.CrossEntropyLoss,
     "nll": nn.NLLLoss,
     "bce_with_logits": losses.BCEWithLogitsLoss,
     "mse": losses.MSELoss,

@@ -128,6 +128,48 @@ class BCEWithLogitsLoss(_Aligned, nn.BCEWithLogitsLoss):
     loss_name = "bce_with_logits"
 
 
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss`` that refuses floating-point targets it cannot mean.
+
+    PyTorch reads floating-point targets of the output's shape as class probabilities.
+    Regression targets given to the default loss look just like that: with a model that
+    ends in ``nn.Linear(..., 1)`` the "probabilities" are over one class, the loss is 0
+    on every step, and the run ends with exit code 0 and ``loss 0.0000``. So floating
+    targets are accepted only as what they can be: per-class probabilities, over two
+    classes or more, in the output's shape. Two attribute reads per call; the checks
+    that need the values (probabilities in [0, 1]) are left to PyTorch.
+    """
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The cross entropy, after the floating-target checks above."""
+        if target.is_floating_point():
+            _refuse_float_targets(input, target)
+        return super().forward(input, target)
+
+
+def _refuse_float_targets(outputs: torch.Tensor, targets: torch.Tensor) -> None:
+    out_shape, target_shape = list(outputs.shape), list(targets.shape)
+    if out_shape == target_shape and outputs.ndim >= 2 and out_shape[1] >= 2:
+        return  # class probabilities (soft labels, mixup): what PyTorch means
+    regression = (
+        "for regression set the loss to mse, l1 or huber (loss.name in a config, "
+        "stoker.fit(..., loss='mse')); for classification give integer class labels"
+    )
+    if out_shape == target_shape:
+        raise DataError(
+            f"loss 'cross_entropy': the targets are floating point ({targets.dtype}) and "
+            f"the model gives one score per sample (output {out_shape}): cross entropy "
+            "over a single class is 0 whatever the model does, so nothing would be learned",
+            hint=f"{regression} and a model with one output per class",
+        )
+    raise DataError(
+        f"loss 'cross_entropy': the targets are floating point ({targets.dtype}, shape "
+        f"{target_shape}) against the model's output {out_shape}: cross entropy takes "
+        "integer class labels, or class probabilities in the output's shape",
+        hint=f"{regression} (e.g. an int64 label column)",
+    )
+
+
 #: PyTorch's elementwise losses, as objects or functions, and the names they go by.
 _ELEMENTWISE: dict[Any, str] = {
     nn.MSELoss: "mse",
@@ -192,7 +234,7 @@ def is_plain_cross_entropy(loss: Any) -> bool:
     if loss is F.cross_entropy:
         return True
     return (
-        type(loss) is nn.CrossEntropyLoss
+        type(loss) in (nn.CrossEntropyLoss, CrossEntropyLoss)
         and loss.weight is None
         and loss.label_smoothing == 0
         and loss.reduction == "mean"

@@ -135,3 +135,47 @@ def test_fit_on_n_by_1_outputs_reports_the_true_mae(loss, tmp_path) -> None:
     # It learned: well below the error of predicting the mean (what a broadcast loss learns).
     mean_mae = (y[64:] - y[:64].mean()).abs().mean().item()
     assert 0 < mae < 0.25 * mean_mae
+
+
+@pytest.mark.parametrize(
+    ("out_shape", "target_shape", "words"),
+    [
+        ((4, 1), (4, 1), "cross entropy over a single class is 0"),
+        ((4,), (4,), "cross entropy over a single class is 0"),
+        ((4, 3), (4,), "integer class labels, or class probabilities"),
+        ((4, 1), (4,), "integer class labels, or class probabilities"),
+    ],
+)
+def test_cross_entropy_refuses_float_targets_it_cannot_mean(out_shape, target_shape, words):
+    """Regression targets given to the default loss: PyTorch reads them as probabilities
+    (over one class the loss is 0 on every step) or fails with its own message."""
+    with pytest.raises(DataError, match=words) as caught:
+        _loss("cross_entropy")(torch.zeros(out_shape), torch.rand(target_shape))
+    assert "mse" in caught.value.hint and "integer class labels" in caught.value.hint
+
+
+def test_cross_entropy_takes_class_probabilities_and_labels() -> None:
+    outputs = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    soft = torch.tensor([[0.8, 0.2, 0.0], [0.0, 0.5, 0.5]])
+    labels = torch.tensor([0, 2])
+    expected_soft = -(soft * outputs.log_softmax(1)).sum(1).mean()
+    expected_hard = -outputs.log_softmax(1)[[0, 1], labels].mean()
+    loss = _loss("cross_entropy")
+    assert loss(outputs, soft).item() == pytest.approx(expected_soft.item())
+    assert loss(outputs, labels).item() == pytest.approx(expected_hard.item())
+
+
+def test_fit_with_float_targets_and_the_default_loss_says_to_set_a_regression_loss(tmp_path):
+    """It trained to 'loss 0.0000' with exit code 0 before: soft-label cross entropy."""
+    x = torch.linspace(-3, 3, 64).unsqueeze(1)
+    with pytest.raises(DataError, match="single class") as caught:
+        stoker.fit(
+            nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)),
+            (x, torch.sin(x)),
+            epochs=1,
+            batch_size=16,
+            progress="quiet",
+            tensorboard=False,
+            run_dir=tmp_path / "run",
+        )
+    assert "loss='mse'" in caught.value.hint
