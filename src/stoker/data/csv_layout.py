@@ -81,7 +81,14 @@ def _parse_column(
     """Numbers from one column's strings, with ``(position, reason)`` for each that is not one."""
     try:
         if dtype is np.int64:
-            return np.array(values, dtype=str).astype(np.int64), []
+            text = np.array(values, dtype=str)
+            try:
+                return text.astype(np.int64), []
+            except ValueError:  # whole floats ("3.0") are labels too, see _integer
+                numbers = text.astype(np.float64)
+                if np.all(np.isfinite(numbers) & (numbers == np.round(numbers))):
+                    return numbers.astype(np.int64), []
+                raise
         # Through float64, as Python's float() rounds, so both paths give the same values.
         return np.array(values, dtype=str).astype(np.float64).astype(dtype), []
     except (ValueError, OverflowError):
@@ -90,7 +97,7 @@ def _parse_column(
     problems = []
     for position, value in enumerate(values):
         try:
-            out[position] = int(value) if dtype is np.int64 else float(value)
+            out[position] = _integer(value) if dtype is np.int64 else float(value)
         except (ValueError, OverflowError):
             if not value.strip():
                 reason = f"column {name!r} is empty"
@@ -99,6 +106,18 @@ def _parse_column(
                 reason = f"column {name!r} value {value!r} is not {kind}"
             problems.append((position, reason))
     return out, problems
+
+
+def _integer(value: str) -> int:
+    """An integer label, written as one (``3``) or as a whole float (``3.0``, as pandas
+    writes an integer column that had a missing value); ``3.5`` is refused."""
+    try:
+        return int(value)
+    except ValueError:
+        number = float(value)
+        if not number.is_integer():
+            raise
+        return int(number)
 
 
 @dataclass(frozen=True)

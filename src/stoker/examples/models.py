@@ -12,7 +12,7 @@ def mlp(
     in_features: int,
     out_features: int,
     *,
-    hidden: Sequence[int] = (128,),
+    hidden: int | Sequence[int] = (128,),
     dropout: float = 0.0,
 ) -> nn.Sequential:
     """A multi-layer perceptron: Linear → ReLU (→ Dropout) per hidden layer, then Linear.
@@ -20,9 +20,12 @@ def mlp(
     Args:
         in_features: Size of each input vector.
         out_features: Number of outputs (classes for classification).
-        hidden: Width of each hidden layer; empty for a linear model.
+        hidden: Width of each hidden layer (one number: one layer); empty for a linear
+            model.
         dropout: Dropout probability after each hidden activation.
     """
+    if isinstance(hidden, int):
+        hidden = (hidden,)  # `hidden: 16` in a config means one layer of 16
     layers: list[nn.Module] = []
     width = in_features
     for size in hidden:

@@ -166,7 +166,7 @@ def _refuse_float_targets(outputs: torch.Tensor, targets: torch.Tensor) -> None:
         f"loss 'cross_entropy': the targets are floating point ({targets.dtype}, shape "
         f"{target_shape}) against the model's output {out_shape}: cross entropy takes "
         "integer class labels, or class probabilities in the output's shape",
-        hint=f"{regression} (e.g. an int64 label column)",
+        hint=f"{regression} (from a table: target_dtype: int64 in the source's args)",
     )
 
 

@@ -88,6 +88,19 @@ def test_target_dtype_auto_and_explicit(tmp_path: Path) -> None:
     assert ds[1][1].dtype == torch.int64 and ds[0].reason == "column 't' is empty"
 
 
+def test_int64_labels_may_be_written_as_whole_floats(tmp_path: Path) -> None:
+    """pandas writes an integer column that had a missing value as 0.0, 1.0, ..."""
+    path = tmp_path / "labels.csv"
+    path.write_text("x,y\n1,0.0\n2,1.0\n3,2\n")
+    ds = CsvDataset(path, target="y", target_dtype="int64")
+    assert [ds[i][1].item() for i in range(3)] == [0, 1, 2]
+    assert ds[0][1].dtype == torch.int64
+    assert CsvDataset(path, target="y")[0][1].dtype == torch.float32  # auto: floats stay
+    path.write_text("x,y\n1,0.0\n2,1.5\n")
+    with pytest.raises(BadRecordError, match="line 3: column 'y' value '1.5' is not an integer"):
+        CsvDataset(path, target="y", target_dtype="int64")[1]
+
+
 def bad_csv(path: Path) -> Path:
     path.write_text("a,b,y\n1,2,0\n3,oops,1\n\n5,6\n7,8,1.5\n9,10,1\n,12,0\n")
     return path
