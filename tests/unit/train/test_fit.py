@@ -282,3 +282,12 @@ def test_resuming_with_another_batch_size_names_the_field(
         mlp_factory(), (x, y), epochs=2, resume=tmp_path, allow_config_change=True, **changed
     )
     assert len(result.history) == 2
+
+
+def test_the_built_in_mlp_takes_one_hidden_width_or_several() -> None:
+    from stoker.examples.models import mlp
+
+    widths = [m.out_features for m in mlp(4, 2, hidden=16) if isinstance(m, torch.nn.Linear)]
+    assert widths == [16, 2]
+    deep = [m.out_features for m in mlp(4, 2, hidden=[8, 6]) if isinstance(m, torch.nn.Linear)]
+    assert deep == [8, 6, 2]
