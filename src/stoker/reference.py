@@ -129,13 +129,18 @@ def _scalar(value: Any) -> str:
     return json.dumps(value)
 
 
-def _default(field: FieldInfo) -> str:
+def field_default(field: FieldInfo) -> Any:
+    """A config field's default value (made by its factory), or ``PydanticUndefined``
+    for a required field: what both references (this one and ``FitOptions``) show."""
     if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-    elif field.default is PydanticUndefined:
+        return field.default_factory()  # type: ignore[call-arg]
+    return field.default
+
+
+def _default(field: FieldInfo) -> str:
+    value = field_default(field)
+    if value is PydanticUndefined:
         return "required"
-    else:
-        value = field.default
     if isinstance(value, BaseModel):
         return "(section)"
     if isinstance(value, tuple):

@@ -25,6 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from stoker.config import FLAT_OPTIONS, RunConfig
 from stoker.config_paths import PATH_FIELDS
+from stoker.reference import field_default
 
 _MODEL_NAME = re.compile(r"\b[A-Z]\w*Config\b")
 #: The generated module, beside this one.
@@ -110,12 +111,9 @@ def _python(value: Any) -> str:
 
 
 def _default(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-    elif field.default is PydanticUndefined:
+    value = field_default(field)
+    if value is PydanticUndefined:
         return "required"
-    else:
-        value = field.default
     if isinstance(value, BaseModel):
         return "its defaults"
     return f"``{_python(value)}``"
