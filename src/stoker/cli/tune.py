@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
             "and batched fetch by successive halving over the loader alone; then race short "
             "training runs of the whole pipeline: the best loader candidates and the "
             "doctor's other changes (data.cache=memory, optim.fused=true, train.threads), "
-            "each briefly, then the configured settings and the best two again, longer. "
+            "each briefly, then the configured settings and the best one again, longer. "
             "The speed-up it predicts is the one those runs show over the run's epochs."
         ),
     )

@@ -44,6 +44,7 @@ from stoker.observe.stages import (
 from stoker.observe.tune_search import (
     PipelineRace,
     candidate_scale,
+    changed_settings,
     config_with,
     facts_of,
     other_changes,
@@ -148,9 +149,18 @@ class TuneResult:
 
     @property
     def pipeline_gain(self) -> float | None:
-        """The speed-up a real run of the configured epochs shows with the winner: both
+        """The speed-up a real run of the configured epochs shows with the winner: the
         short runs' rates over the whole run (each epoch's start-up and shutdown, a
-        cache's fill once), as a real run pays them; not a steady epoch's."""
+        cache's fill once), as a real run pays them, not a steady epoch's; the mean of
+        the race's last rounds, winner and configured settings side by side."""
+        if self.race is not None and self.winner == self.race.winner:
+            return self.race.gain
+        return self.figures_gain
+
+    @property
+    def figures_gain(self) -> float | None:
+        """:attr:`pipeline_gain` from the one pair of runs ``baseline_pipeline`` and
+        ``winner_pipeline``."""
         if self.baseline_pipeline is None or self.winner_pipeline is None:
             return None
         base = self.baseline_pipeline.run_rate(self.epochs)
@@ -212,29 +222,9 @@ def _asdict(figures: PipelineFigures | None) -> dict[str, Any] | None:
     return None if figures is None else dataclasses.asdict(figures)
 
 
-def _settings(config: RunConfig, baseline: Candidate, winner: Candidate, *, cuda: bool) -> dict:
-    """The dotted keys whose winning value differs from the config's."""
-    wanted: dict[str, Any] = {
-        "loader.num_workers": winner.num_workers,
-        "loader.prefetch_factor": winner.prefetch_factor if winner.num_workers else None,
-        "loader.persistent_workers": winner.persistent_workers if winner.num_workers else False,
-    }
-    if cuda and winner.pin_memory != baseline.pin_memory:
-        wanted["loader.pin_memory"] = winner.pin_memory
-    if winner.batch_size is not None:
-        wanted["loader.batch_size"] = winner.batch_size
-    wanted.update(winner.settings())
-    current = {
-        f"{section}.{key}": value
-        for section in ("loader", "data", "optim", "train")
-        for key, value in getattr(config, section).model_dump().items()
-    }
-    return {key: value for key, value in wanted.items() if current.get(key) != value}
-
-
 #: The share of the budget (after building and calibrating) the loader-alone search gets
 #: when short training runs follow (they get the rest).
-SEARCH_SHARE = 0.3
+SEARCH_SHARE = 0.2
 #: The share of the budget the last training run may end by (tearing it down follows).
 DEADLINE_SHARE = 0.95
 
@@ -256,7 +246,7 @@ def tune(
     ranks them. Then a race of short training runs of the whole pipeline: the best loader
     candidates, and the doctor's other changes (``data.cache=memory``,
     ``optim.fused=true``, ``train.threads``) on the configured and on the best loader
-    settings, each briefly, then the configured settings and the best two again, longer
+    settings, each briefly, then the configured settings and the best one again, longer
     (whole epochs when they fit), side by side; the winners together when several win.
     Every phase is planned against what is left of the budget. The predicted speed-up is
     the one the last round's runs show over the whole run of ``train.epochs`` epochs.
@@ -389,7 +379,7 @@ def tune(
     winner = result.winner
     if winner.per_sample:
         notes.append("per-sample fetch measured faster than batched fetch for this dataset")
-    settings = {} if result.rejected else _settings(config, baseline, winner, cuda=cuda)
+    settings = {} if result.rejected else changed_settings(config, baseline, winner, cuda=cuda)
     if "loader.batch_size" in settings:
         old, new = loader_cfg.batch_size, settings["loader.batch_size"]
         notes.append(

@@ -28,8 +28,10 @@ __all__ = [
     "Facts",
     "PipelineRace",
     "candidate_scale",
+    "changed_settings",
     "config_with",
     "facts_of",
+    "fitting",
     "other_changes",
     "race",
     "run_steps",
@@ -37,13 +39,17 @@ __all__ = [
 ]
 
 #: The share of the race's time its first round (every candidate, briefly) gets.
-SCREEN_SHARE = 0.45
+SCREEN_SHARE = 0.55
 #: A cache whose fill would take more than this share of the time left is not tried.
 CACHE_FILL_SHARE = 0.25
 #: A cache whose decoded samples would take more than this share of free memory is not tried.
 CACHE_MEMORY_SHARE = 0.5
+#: The most rounds of the configured settings against the finalists, side by side.
+MAX_FINAL_ROUNDS = 3
+#: The most a run's fixed cost is taken to be before the race has run one.
+FIRST_OVERHEAD_S = 0.5
 #: Candidates besides the configured settings measured again, longer, in the last round.
-FINALISTS = 2
+FINALISTS = 1
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,8 @@ def shortlist(
     loaders_first = list(dict.fromkeys(picked))
     wait = phases.get("data_wait", 0.0)
     compute = sum(phases.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
-    scored: list[tuple[float, Candidate]] = [(wait, c) for c in loaders_first]
+    # The best loader candidate, then a cache, then the other loader candidates.
+    scored = [(wait * (1.0 if i == 0 else 0.9), c) for i, c in enumerate(loaders_first)]
     best = loaders_first[0] if loaders_first else None
     for change in changes:
         # Another thread count wins only where threads oversubscribe: half the weight.
@@ -199,8 +206,8 @@ class RaceRun:
 
 @dataclass(frozen=True)
 class PipelineRace:
-    """What the race measured: every run, the winner, and its gain (same round as the
-    configured settings' run it is compared with)."""
+    """What the race measured: every run, the winner, and its gain: the mean of its
+    last-round rates over the configured settings' (measured in the same rounds)."""
 
     runs: tuple[RaceRun, ...]
     winner: Candidate
@@ -210,8 +217,15 @@ class PipelineRace:
     dropped: tuple[Candidate, ...] = ()
 
     def rates(self) -> dict[Candidate, float]:
-        """Each candidate's last run's rate over the configured epochs."""
-        return {run.candidate: run.rate for run in self.runs}
+        """Each candidate's rate over the configured epochs: the mean of its runs in
+        its last round kind (the first round's, or the last rounds' side by side)."""
+        found: dict[Candidate, list[RaceRun]] = {}
+        for run in self.runs:
+            kept = found.setdefault(run.candidate, [])
+            if kept and (kept[-1].round >= 2) != (run.round >= 2):
+                kept.clear()
+            kept.append(run)
+        return {c: sum(r.rate for r in rs) / len(rs) for c, rs in found.items()}
 
 
 #: ``measure(candidate, steps, deadline) -> figures`` (None: it could not be run).
@@ -243,7 +257,10 @@ def race(
     together.
     """
     step_s: dict[Candidate, float] = {baseline: _step_s(calibration)}
-    overhead = max(0.0, calibration.wall_s - calibration.epoch_s)
+    # A run's fixed cost: the calibration's, but no more than FIRST_OVERHEAD_S (the first
+    # run of a process also pays one-time imports), then the mean of the race's runs.
+    overheads: list[float] = []
+    overhead = min(max(0.0, calibration.wall_s - calibration.epoch_s), FIRST_OVERHEAD_S)
     runs: list[RaceRun] = [RaceRun(baseline, 0, calibration, calibration.run_rate(epochs))]
     dropped: list[Candidate] = []
 
@@ -268,18 +285,25 @@ def race(
             return None
         if not figures.cut_short:
             step_s[candidate] = _step_s(figures)
-            overhead = max(overhead, figures.wall_s - figures.epoch_s)
+            overheads.append(max(0.0, figures.wall_s - figures.epoch_s))
+            overhead = sum(overheads) / len(overheads)
         run = RaceRun(candidate, round_index, figures, figures.run_rate(epochs))
         runs.append(run)
         return run
 
-    # Round 1: every candidate, briefly.
-    todo = list(dict.fromkeys(c for c in candidates if c != baseline))
+    # Round 1: as many candidates as fit, likeliest first, each briefly.
     screen_end = clock() + SCREEN_SHARE * max(0.0, deadline - clock())
+    todo = list(dict.fromkeys(c for c in candidates if c != baseline))
+    fits = fitting(
+        [overhead + fewest(c) * step_s[baseline] * scale(c) for c in todo],
+        screen_end - clock(),
+    )
+    dropped.extend(todo[fits:])
+    todo = todo[:fits]
     base_rate = runs[0].rate
     first: dict[Candidate, float] = {}
     index = 0
-    spare = 1 if len(todo) >= 2 else 0  # a share kept for the winners together
+    spare = 1 if len(todo) >= 3 else 0  # a share kept for the winners together
     while index < len(todo):
         candidate = todo[index]
         left = len(todo) - index + spare
@@ -294,23 +318,34 @@ def race(
             if union is not None and union not in todo:
                 todo.append(union)
             spare = 0
-    # Round 2: the configured settings and the finalists, longer, side by side.
+    # Round 2: the configured settings and the finalists, longer, side by side; again
+    # while a whole round still fits (the runs are then the whole real run: repeats
+    # average out other load), at most MAX_FINAL_ROUNDS times.
     finalists = sorted(first, key=lambda c: (-first[c], c.cost()))[:FINALISTS]
-    last: dict[Candidate, RaceRun] = {}
     order = [baseline, *finalists]
-    for position, candidate in enumerate(order):
-        left = len(order) - position
-        run = one(candidate, 2, (deadline - clock()) / left)
-        if run is not None:
-            last[candidate] = run
-    if baseline in last and len(last) > 1:
-        pool = {c: r.rate for c, r in last.items()}
-        reference = last[baseline]
+    finals: dict[Candidate, list[RaceRun]] = {}
+    for round_index in range(2, 2 + MAX_FINAL_ROUNDS):
+        share = (deadline - clock()) / len(order)
+        if round_index > 2 and any(plan(c, share) is None for c in order):
+            break  # another whole round does not fit
+        for position, candidate in enumerate(order):
+            run = one(candidate, round_index, (deadline - clock()) / (len(order) - position))
+            if run is not None:
+                finals.setdefault(candidate, []).append(run)
+        if len(finals) < len(order):
+            break
+    if baseline in finals and len(finals) > 1:
+        pool = {c: sum(r.rate for r in rs) / len(rs) for c, rs in finals.items()}
+        reference = finals[baseline][-1]
     else:  # the last round did not fit: the first round decides
         pool = {baseline: base_rate, **first}
         reference = runs[0]
     best = max(pool, key=lambda c: (pool[c], -len(c.settings())))
-    winner_run = last.get(best) or next(r for r in reversed(runs) if r.candidate == best)
+    winner_run = (
+        finals[best][-1]
+        if best in finals
+        else next(r for r in reversed(runs) if r.candidate == best)
+    )
     gain = pool[best] / pool[baseline] if pool[baseline] > 0 else 1.0
     return PipelineRace(
         runs=tuple(runs),
@@ -320,6 +355,20 @@ def race(
         winner_figures=winner_run.figures,
         dropped=tuple(dropped),
     )
+
+
+def fitting(costs: Sequence[float], seconds: float) -> int:
+    """How many of the runs costing ``costs`` (in order) fit in ``seconds``, keeping
+    room for the winners together when three or more fit."""
+    count, total = 0, 0.0
+    for cost in costs:
+        if total + cost > seconds:
+            break
+        total += cost
+        count += 1
+    if count >= 3 and total + max(costs[:count]) > seconds:
+        count -= 1  # room for the winners together
+    return count
 
 
 def _step_s(figures: PipelineFigures) -> float:
@@ -343,8 +392,11 @@ def _together(
     others: dict[str, Any] = {}
     for candidate in sorted(winners, key=lambda c: rates[c]):  # the best's value last
         others.update(
-            {field: getattr(candidate, field) for field in ("cache", "fused", "threads")
-             if getattr(candidate, field) is not None}
+            {
+                field: getattr(candidate, field)
+                for field in ("cache", "fused", "threads")
+                if getattr(candidate, field) is not None
+            }
         )
     parts = len(others) + (best_loader.loader() != baseline.loader())
     if parts < 2:
@@ -418,3 +470,25 @@ def _sample_bytes(data: Any) -> int | None:
 def candidate_scale(candidate_config: RunConfig, config: RunConfig) -> float:
     """A step's cost relative to the configured one (by batch size)."""
     return candidate_config.loader.batch_size / config.loader.batch_size
+
+
+def changed_settings(
+    config: RunConfig, baseline: Candidate, winner: Candidate, *, cuda: bool
+) -> dict:
+    """The dotted keys whose winning value differs from the config's."""
+    wanted: dict[str, Any] = {
+        "loader.num_workers": winner.num_workers,
+        "loader.prefetch_factor": winner.prefetch_factor if winner.num_workers else None,
+        "loader.persistent_workers": winner.persistent_workers if winner.num_workers else False,
+    }
+    if cuda and winner.pin_memory != baseline.pin_memory:
+        wanted["loader.pin_memory"] = winner.pin_memory
+    if winner.batch_size is not None:
+        wanted["loader.batch_size"] = winner.batch_size
+    wanted.update(winner.settings())
+    current = {
+        f"{section}.{key}": value
+        for section in ("loader", "data", "optim", "train")
+        for key, value in getattr(config, section).model_dump().items()
+    }
+    return {key: value for key, value in wanted.items() if current.get(key) != value}
