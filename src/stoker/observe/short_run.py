@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import math
 import tempfile
@@ -302,6 +303,9 @@ def measure_pipeline(
         history = train_run(short, user=user, progress="quiet").history
         windows = _step_windows(run_dir / "metrics.jsonl")
         ran_threads = _threads_used(run_dir / "environment.json")
+        # A loader with persistent workers can outlive the run in a reference cycle; its
+        # workers are stopped here, in this run's time, not in the middle of a later one.
+        gc.collect()
     if stop.stopped:
         return stop.figures(config, data, wall_s=time.perf_counter() - started, threads=ran_threads)
     epoch_s = sum(float(r["time/epoch_s"]) for r in history)
