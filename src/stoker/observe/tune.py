@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import logging
 import math
 import time
@@ -108,6 +109,11 @@ class LoaderMeasure:
                 # Warm-up and bursts included, a candidate costs at most twice its share.
                 max_s=2 * seconds + 0.05,
             )
+        del loader
+        # Its workers stop now, in this measurement's time: a loader left for the garbage
+        # collector would stop in the middle of a later run, and workers forked before
+        # then inherit it (its shutdown then waits seconds on them).
+        gc.collect()
         return rate.samples_per_s
 
 
@@ -266,6 +272,7 @@ def tune(
     started = time.perf_counter()
     say = say or (lambda line: logger.debug(line))
     timings: dict[str, float] = {}
+    gc.collect()  # loaders left over in this process stop before any worker forks
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_WORKER_WARNING)
         pipeline = build_pipeline(config, user or UserComponents())
