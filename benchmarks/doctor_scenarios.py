@@ -341,7 +341,10 @@ def run_scenario(s: Scenario, args: argparse.Namespace, tmp: Path) -> dict[str, 
         f"yaml kept comments+flow: {kept}"
     )
     for run in tuned.race.runs if tuned.race else ():
-        print(f"  tune run r{run.round} {run.candidate.label()}: {run.rate:,.0f} samples/s")
+        print(
+            f"  tune run r{run.round} {run.candidate.label()}: {run.rate:,.0f} samples/s "
+            f"({run.figures.steps} steps, {run.figures.wall_s:.2f} s)"
+        )
     advice, tune_settings = normalized(s, advice), normalized(s, tune_settings)
     space = [{}] + [normalized(s, p) for p in s.space]
     space = [json.loads(k) for k in dict.fromkeys(_key(p) for p in space)]
