@@ -50,15 +50,24 @@ sys.path.insert(0, str(HERE))
 
 from stoker import components  # noqa: E402
 from stoker.config import load_config, validate_config  # noqa: E402
-from stoker.data.cache import CachedDataset  # noqa: E402
 from stoker.observe.doctor import run_doctor  # noqa: E402
-from stoker.observe.short_run import short_run_config, threads  # noqa: E402
-from stoker.observe.tune import tune, write_loader_settings  # noqa: E402
+from stoker.observe.short_run import cached_data, short_run_config, threads  # noqa: E402
+from stoker.observe.tune import tune, write_settings  # noqa: E402
 from stoker.train.pipeline import UserComponents  # noqa: E402
 from stoker.train.session import train_run  # noqa: E402
 
 WORKLOADS = HERE / "doctor_workloads.py"
 GAIN_TO_FIND = 1.10
+#: The keys ``stoker tune --write`` may save, read back from the written file.
+TUNED_KEYS = (
+    "loader.num_workers",
+    "loader.prefetch_factor",
+    "loader.persistent_workers",
+    "loader.batch_size",
+    "data.cache",
+    "optim.fused",
+    "train.threads",
+)
 
 
 @dataclass
@@ -211,14 +220,16 @@ def mapping(s: Scenario, settings: dict[str, Any] | None = None) -> dict[str, An
         "optim": dict(s.optim),
         "train": {"epochs": s.epochs, "device": "cpu", "task": "none"},
     }
+    if s.threads is not None:
+        # A setting of the run (train.threads), as a user writes it: the runs, the
+        # doctor's and the tuner's short runs and the real ones all train with it.
+        config["train"]["threads"] = s.threads
     for key, value in (settings or {}).items():
         section, _, name = key.partition(".")
         if key == "code.data":
             data["name"] = _name(value)
         elif key == "code.collate":
             loader["collate_fn"] = _name(value)
-        elif key == "train.threads":
-            continue  # applied around the run (torch.set_num_threads)
         else:
             config.setdefault(section, {})[name] = value
     if not loader.get("num_workers"):
@@ -259,16 +270,14 @@ def yaml_text(config: dict[str, Any]) -> str:
 
 
 def real_rate(s: Scenario, settings: dict[str, Any]) -> float:
-    """Samples/s of a real run of whole epochs with ``settings``: stoker's loop, epoch
-    times plus filling a memory cache (done up front, timed, as build_pipeline does)."""
+    """Samples/s of a real run of whole epochs with ``settings``: stoker's loop, every
+    epoch's time (worker start-up and shutdown inside) plus filling a memory cache, made
+    as build_pipeline makes it (read into arrays when it can be) and timed. What the
+    tuner predicts is this same figure: the whole run of the scenario's epochs."""
     config = validate_config(mapping(s, settings), source=s.name)
     count = settings.get("train.threads", s.threads)
     data, _ = components.build_datasets(config)
-    fill_s = 0.0
-    if config.data.cache == "memory":
-        started = time.perf_counter()
-        data = CachedDataset(data, mode="memory").warm()
-        fill_s = time.perf_counter() - started
+    data, fill_s = cached_data(config, data)
     config = config.model_copy(update={"data": config.data.model_copy(update={"cache": "none"})})
     with tempfile.TemporaryDirectory() as tmp, threads(count):
         short = short_run_config(
@@ -309,15 +318,17 @@ def run_scenario(s: Scenario, args: argparse.Namespace, tmp: Path) -> dict[str, 
         started = time.perf_counter()
         tuned = tune(config, budget_s=args.budget_s, max_workers=args.max_workers)
         tune_s = time.perf_counter() - started
-    written = write_loader_settings(path, tuned.settings)
+    written = write_settings(path, tuned.settings)
     text = path.read_text()
     kept = text.startswith("# doctor scenario") and "# loader section" in text
     kept = kept and "loader: {" in text
+    # What --write saved, read back from the file: every key the tuner may write.
+    saved = load_config(path)
     tune_settings = {
-        f"loader.{k}": v
-        for k, v in load_config(path).loader.model_dump().items()
-        if k in {"num_workers", "prefetch_factor", "persistent_workers", "batch_size"}
-        and getattr(config.loader, k) != v
+        key: getattr(getattr(saved, section), name)
+        for key in TUNED_KEYS
+        for section, name in [key.split(".")]
+        if getattr(getattr(saved, section), name) != getattr(getattr(config, section), name)
     }
     advice = applied_advice(s, diagnosis)
     print(f"verdict: {diagnosis.verdict}  ({doctor_s:.1f} s)")
@@ -325,8 +336,15 @@ def run_scenario(s: Scenario, args: argparse.Namespace, tmp: Path) -> dict[str, 
     print(f"advice: {diagnosis.recommendation}")
     print(
         f"tune: {tuned.settings or 'no change'} predicted {tuned.predicted_gain or 1:.2f}x "
-        f"({tune_s:.1f} s of {args.budget_s:g} s budget); yaml kept comments+flow: {kept}"
+        f"({tune_s:.1f} s of {args.budget_s:g} s budget: "
+        f"{', '.join(f'{k} {v:.1f}' for k, v in tuned.timings.items())}); "
+        f"yaml kept comments+flow: {kept}"
     )
+    for run in tuned.race.runs if tuned.race else ():
+        print(
+            f"  tune run r{run.round} {run.candidate.label()}: {run.rate:,.0f} samples/s "
+            f"({run.figures.steps} steps, {run.figures.wall_s:.2f} s)"
+        )
     advice, tune_settings = normalized(s, advice), normalized(s, tune_settings)
     space = [{}] + [normalized(s, p) for p in s.space]
     space = [json.loads(k) for k in dict.fromkeys(_key(p) for p in space)]
@@ -374,6 +392,7 @@ def run_scenario(s: Scenario, args: argparse.Namespace, tmp: Path) -> dict[str, 
         "tune_error": predicted / realized - 1,
         "tune_s": tune_s,
         "tune_budget_s": args.budget_s,
+        "tune_timings": tuned.timings,
         "doctor_s": doctor_s,
         "yaml_kept": kept,
         "written": {k: list(v) for k, v in written.items()},

@@ -179,7 +179,8 @@ def data_stall(device: torch.device, *, steps: int, budget_s: float, work: int) 
     started = time.perf_counter()
     found = tune(config, budget_s=budget_s, user=UserComponents(model=small_mlp(), train_data=data))
     tune_s = time.perf_counter() - started
-    tuned = run(found.settings)
+    # The tuner's dotted keys as stoker.fit's flat options (loader.num_workers -> num_workers).
+    tuned = run({key.split(".", 1)[1]: value for key, value in found.settings.items()})
     return {
         "steps": steps,
         "work_per_sample": work,

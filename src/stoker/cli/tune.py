@@ -1,4 +1,5 @@
-"""``stoker tune CONFIG [key=value ...]``: search the loader settings, optionally write them."""
+"""``stoker tune CONFIG [key=value ...]``: search the settings that speed training (the
+loader's, a cache, the fused optimizer, the thread count), optionally write them."""
 
 from __future__ import annotations
 
@@ -25,20 +26,22 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
     parser = subparsers.add_parser(
         "tune",
         parents=parents,
-        help="search the loader settings (workers, prefetch, pinning, batched fetch)",
+        help="search the settings that speed training (loader, cache, fused optimizer, threads)",
         description=(
             "Search num_workers, prefetch_factor, persistent_workers, pin_memory (CUDA only) "
-            "and batched fetch by successive halving: every candidate is measured briefly "
-            "(the loader alone), the clearly slow ones are dropped, the survivors are "
-            "measured longer; short training runs of the configured settings and the best "
-            "few candidates then pick the winner, and its speed-up is the one they show."
+            "and batched fetch by successive halving over the loader alone; then race short "
+            "training runs of the whole pipeline: the best loader candidates and the "
+            "doctor's other changes (data.cache=memory, optim.fused=true, train.threads), "
+            "each briefly, then the configured settings and the best one again, longer. "
+            "The speed-up it predicts is the one those runs show over the run's epochs."
         ),
     )
     add_config_and_overrides(parser, example="loader.num_workers=2")
     parser.add_argument(
         "--write",
         action="store_true",
-        help="save the winning loader.* settings into CONFIG (comments, order and style kept)",
+        help="save the winning settings (loader.*, data.cache, optim.fused, train.threads) "
+        "into CONFIG (comments, order and style kept)",
     )
     parser.add_argument(
         "--batch-size",
@@ -56,8 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
     parser.add_argument(
         "--no-confirm",
         action="store_true",
-        help="skip the confirming training runs (the fastest loader alone wins; no "
-        "speed-up is predicted)",
+        help="skip the training runs (the fastest loader alone wins; no other change is "
+        "tried and no speed-up is predicted)",
     )
     parser.add_argument(
         "--max-workers",
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from stoker.config import load_config
-    from stoker.observe.tune import tune, write_loader_settings
+    from stoker.observe.tune import tune, write_settings
 
     if not (args.budget_s > 0 and math.isfinite(args.budget_s)):
         raise ConfigError(
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             say=say,
         )
     elapsed = time.perf_counter() - started
-    changes = write_loader_settings(args.config, result.settings) if args.write else {}
+    changes = write_settings(args.config, result.settings) if args.write else {}
     if args.json:
         document = result.to_dict()
         document["written"] = {k: {"old": o, "new": n} for k, (o, n) in changes.items()}
@@ -115,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(Text(f"took {elapsed:.1f} s (budget {args.budget_s:g} s)"))
     if args.write:
         if changes:
-            listed = ", ".join(f"loader.{k}: {o} -> {n}" for k, (o, n) in changes.items())
+            listed = ", ".join(f"{k}: {_yaml(o)} -> {_yaml(n)}" for k, (o, n) in changes.items())
             console.print(Text(f"updated {args.config}: {listed}"))
         else:
             console.print(Text(f"{args.config} already has the best settings measured"))
     elif result.settings:
-        keys = " ".join(f"loader.{k}={_yaml(v)}" for k, v in result.settings.items())
+        keys = " ".join(f"{k}={_yaml(v)}" for k, v in result.settings.items())
         console.print(
             Text(
                 f"apply: stoker tune {shlex.quote(args.config)} --write, "
@@ -177,24 +180,38 @@ def print_result(result: TuneResult, console: Console) -> None:
             candidate.label(), str(trial.round + 1), f"{trial.samples_per_s:,.0f}", status
         )
     console.print(table)
-    winner = halving.last_trial(result.winner)
+    winner = halving.last_trial(halving.winner)
     baseline = halving.last_trial(result.baseline)
-    line = f"winner: {result.winner.label()}"
+    line = f"fastest loader alone: {halving.winner.label()}"
     if winner is not None and baseline is not None and baseline.samples_per_s > 0:
         line += (
             f" (the loader alone, no model: {winner.samples_per_s:,.0f} samples/s vs "
             f"{baseline.samples_per_s:,.0f} now; training sets the pace, see below)"
         )
     console.print(Text(line))
+    if result.race is not None:
+        runs = Table(
+            title="short training runs (rates over the run's epochs)", title_justify="left"
+        )
+        for column in ("candidate", "round", "steps", "samples/s"):
+            runs.add_column(column, justify="left" if column == "candidate" else "right")
+        for run in result.race.runs:
+            current = " (current)" if run.candidate == result.baseline else ""
+            label = run.candidate.label() + current
+            cut = " (cut short)" if run.figures.cut_short else ""
+            runs.add_row(label, str(run.round), str(run.figures.steps), f"{run.rate:,.0f}{cut}")
+        console.print(runs)
     if result.baseline_pipeline is not None and result.winner_pipeline is not None:
         base = result.baseline_pipeline.run_rate(result.epochs)
         win = result.winner_pipeline.run_rate(result.epochs)
         console.print(
             Text(
-                f"training (short runs, rates over whole epochs): {win:,.0f} samples/s with "
-                f"the winner vs {base:,.0f} now ({result.pipeline_gain or 0:.2f}x)"
+                f"training (short runs, rates over the run's {result.epochs} epoch(s), "
+                f"start-up and a cache's fill included): {win:,.0f} samples/s with the "
+                f"winner vs {base:,.0f} now ({result.pipeline_gain or 0:.2f}x)"
             )
         )
+    console.print(Text(f"winner: {result.winner.label()}"))
     if result.settings and result.predicted_gain is not None:
         console.print(Text(f"expected speed-up of training: {result.predicted_gain:.2f}x"))
     for note in result.notes:

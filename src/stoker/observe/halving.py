@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Candidate:
-    """One combination of loader settings.
+    """One combination of settings: the loader's, and the doctor's other changes.
 
     Attributes:
         num_workers: Worker processes.
@@ -32,6 +33,9 @@ class Candidate:
         pin_memory: Pin batches (only meaningful with CUDA).
         per_sample: Force per-sample fetch although the dataset fetches whole batches.
         batch_size: Samples per batch (None: as configured).
+        cache: ``data.cache`` (None: as configured).
+        fused: ``optim.fused`` (None: as configured).
+        threads: ``train.threads``, intra-op threads (None: as configured).
     """
 
     num_workers: int
@@ -40,6 +44,9 @@ class Candidate:
     pin_memory: bool = False
     per_sample: bool = False
     batch_size: int | None = None
+    cache: str | None = None
+    fused: bool | None = None
+    threads: int | None = None
 
     def label(self) -> str:
         parts = [f"workers={self.num_workers}"]
@@ -50,11 +57,13 @@ class Candidate:
         parts.append("fetch=per-sample" if self.per_sample else "fetch=as-is")
         if self.batch_size is not None:
             parts.append(f"batch={self.batch_size}")
+        parts.extend(f"{key}={_word(value)}" for key, value in self.settings().items())
         return " ".join(parts)
 
     def cost(self) -> tuple[Any, ...]:
         """Ordering among equally fast candidates: fewer processes and defaults first."""
         return (
+            len(self.settings()),
             self.num_workers,
             self.persistent_workers,
             self.prefetch_factor or 2,
@@ -62,6 +71,16 @@ class Candidate:
             self.per_sample,
             self.batch_size or 0,
         )
+
+    def settings(self) -> dict[str, Any]:
+        """The changes besides the loader's, as dotted config keys (``data.cache``,
+        ``optim.fused``, ``train.threads``); empty for a loader-only candidate."""
+        found = {"data.cache": self.cache, "optim.fused": self.fused, "train.threads": self.threads}
+        return {key: value for key, value in found.items() if value is not None}
+
+    def loader(self) -> Candidate:
+        """The same loader settings, without the other changes."""
+        return dataclasses.replace(self, cache=None, fused=None, threads=None)
 
     def overrides(self) -> dict[str, Any]:
         """Keyword overrides for ``build_train_loader``."""
@@ -114,6 +133,12 @@ class Halving:
         return "kept"
 
 
+def _word(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 Measure = Callable[[Candidate, float], float]
 
 
@@ -146,9 +171,9 @@ def successive_halving(
             cheapest (fewest workers, defaults) wins.
         deadline_s: Wall-clock budget. After each round the later rounds' measurements
             are shortened (to no less than a tenth) when, at the per-measurement
-            overhead seen so far (start-up, warm-up), they would not fit; once it has
-            passed, the candidates not yet measured are dropped (so list the likeliest
-            first).
+            overhead seen so far (start-up, warm-up), they would not fit; a measurement
+            that would end past it (at the round's time per measurement so far) is not
+            started, and its candidate is dropped (so list the likeliest first).
         clock: The wall clock (a fake one in tests).
     """
     if not candidates:
@@ -162,10 +187,15 @@ def successive_halving(
     for round_index in range(rounds):
         seconds = scale * final_s / eta ** (rounds - 1 - round_index)
         rates = {}
+        round_started = clock()
         for candidate in alive:
-            if rates and deadline_s is not None and clock() - started >= deadline_s:
-                abandoned[candidate] = round_index  # out of time: never measured this round
-                continue
+            if rates and deadline_s is not None:
+                # What one measurement of this round took so far (start-up, warm-up and
+                # shutdown included): one that would end past the deadline is not started.
+                each = (clock() - round_started) / len(rates)
+                if clock() - started + each > deadline_s:
+                    abandoned[candidate] = round_index  # out of time: not measured this round
+                    continue
             rates[candidate] = measure(candidate, seconds)
             spent += seconds
             trials.append(Trial(candidate, round_index, seconds, rates[candidate]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import math
 import tempfile
@@ -19,8 +20,9 @@ from torch.utils.data import Dataset
 
 from stoker.config import RunConfig
 from stoker.data.cache import CachedDataset
+from stoker.data.sources import ArrayDataset
 from stoker.observe.stages import burst_size, warmup_batches
-from stoker.train.pipeline import Pipeline, UserComponents
+from stoker.train.pipeline import Pipeline, UserComponents, cached_train_data
 from stoker.train.session import train_run
 
 __all__ = [
@@ -49,6 +51,11 @@ class PipelineFigures:
     ``phases`` holds each phase's share of the run's step time (``forward``,
     ``backward``, ``optimizer``, ``data_wait``, ``transfer``): the run's own phase table.
     ``epoch_samples`` is a whole epoch of the configured data (0 for a stream).
+    ``epoch_times`` holds each epoch's time when the run trained whole epochs (each
+    ended by its data, as a real run's do: worker start-up and shutdown inside);
+    ``persistent`` whether its workers outlive an epoch; ``threads`` the intra-op thread
+    count it ran with; ``cut_short`` whether a deadline stopped it (its rates are then
+    the steps it took over its time, nothing more).
     """
 
     samples_per_s: float
@@ -64,15 +71,38 @@ class PipelineFigures:
     epochs: int = 1
     wall_s: float = 0.0
     prepare_s: float = 0.0
+    epoch_times: tuple[float, ...] = ()
+    persistent: bool = False
+    threads: int = 0
+    cut_short: bool = False
 
     def run_rate(self, epochs: int, samples: int | None = None) -> float:
         """Samples/s over a run of ``epochs`` whole epochs, ``prepare_s`` (filling a
-        cache) paid once before the first."""
+        cache) paid once before the first: what a real run of that many epochs shows.
+
+        With whole epochs measured, their own times: the first ``epochs`` of them, or
+        when fewer were run, the later epochs at the later ones' mean (persistent
+        workers start once, in the first) or, with one epoch, at the first less its
+        start-up when the workers persist. Otherwise the steady rate with each epoch's
+        start-up paid (:meth:`epoch_rate`)."""
+        if self.epoch_times and self.epoch_samples > 0 and samples in (None, self.epoch_samples):
+            return epochs * self.epoch_samples / (self.prepare_s + self.run_s(epochs))
         samples = samples or self.epoch_samples
         rate = self.epoch_rate(samples)
         if samples <= 0 or rate <= 0:
             return rate
         return epochs * samples / (self.prepare_s + epochs * samples / rate)
+
+    def run_s(self, epochs: int) -> float:
+        """Seconds of ``epochs`` whole epochs, from the epochs measured (see run_rate)."""
+        times = self.epoch_times
+        if len(times) >= epochs:
+            return sum(times[:epochs])
+        if len(times) > 1:
+            later = sum(times[1:]) / (len(times) - 1)
+        else:
+            later = times[0] - (self.epoch_startup_s if self.persistent else 0.0)
+        return sum(times) + (epochs - len(times)) * max(later, 0.0)
 
     def epoch_rate(self, samples: int | None = None) -> float:
         """Samples/s over a whole epoch of ``samples`` (default: the data's): the steady
@@ -129,13 +159,15 @@ def threads(count: int | None) -> Iterator[None]:
 
 def cached_data(config: RunConfig, dataset: Dataset) -> tuple[Dataset, float]:
     """``dataset`` behind a memory cache when ``config`` asks for one and it has none yet,
-    filled at once (as build_pipeline fills it before workers fork), and the seconds
-    that took: a short run sees every epoch cached, and the fill is reported apart."""
-    if config.data.cache != "memory" or isinstance(dataset, CachedDataset):
+    made as ``build_pipeline`` makes it (read once into arrays when it can be, else a
+    per-sample cache) and filled at once, and the seconds that took: a short run sees
+    every epoch cached, and the fill is reported apart (a real run pays it once)."""
+    if config.data.cache != "memory" or isinstance(dataset, (CachedDataset, ArrayDataset)):
         return dataset, 0.0
     started = time.perf_counter()
-    cached = CachedDataset(dataset, mode="memory")
-    cached.warm()
+    cached = cached_train_data(config, dataset)
+    if isinstance(cached, CachedDataset):
+        cached.warm()
     return cached, time.perf_counter() - started
 
 
@@ -215,8 +247,15 @@ def measure_pipeline(
     dataset: Dataset | None = None,
     loader_startup_s: float | None = None,
     thread_count: int | None = None,
+    deadline: float | None = None,
 ) -> PipelineFigures:
     """Train ``steps`` steps (over as many epochs as that takes) with stoker's own loop.
+
+    When ``steps`` is a whole number of epochs, the run trains those epochs to the end
+    of their data (no step limit), so each epoch's time holds what a real one does:
+    worker start-up, the last batches, the workers' shutdown (``epoch_times``).
+    A ``deadline`` (``time.perf_counter()``) stops the run after the step that passes
+    it; such a run is ``cut_short``.
 
     ``config``'s loader, optimizer and data settings are the ones measured; the
     pipeline's data (or ``dataset``), loss and collate are reused; ``model`` is
@@ -237,15 +276,18 @@ def measure_pipeline(
     except TypeError:
         per_epoch = steps
     epochs = min(max(1, math.ceil(steps / per_epoch)), 1000)
+    whole = dataset_length(data) is not None and epochs * per_epoch == steps
     skip = warmup_steps(config)
     # About eight windows per epoch: a record (a sync and a line written) is no per-step cost.
     log_every = max(1, min(steps, per_epoch) // 8)
+    stop = _Deadline(deadline, step_samples)
     user = UserComponents(
         model=copy.deepcopy(model),
         train_data=data,
         val_data=None,
         loss_fn=pipeline.loss_fn,
         collate_fn=pipeline.collate_fn,
+        callbacks=(stop,) if deadline is not None else (),
     )
     # The data is handed over already cached: build_pipeline must not wrap it again.
     plain = config.model_copy(update={"data": config.data.model_copy(update={"cache": "none"})})
@@ -254,8 +296,18 @@ def measure_pipeline(
         short = short_run_config(
             plain, steps=steps, epochs=epochs, run_dir=run_dir, log_every=log_every
         )
+        if whole:  # ended by the data, as a real run's epochs are
+            short = short.model_copy(
+                update={"train": short.train.model_copy(update={"max_steps": None})}
+            )
         history = train_run(short, user=user, progress="quiet").history
         windows = _step_windows(run_dir / "metrics.jsonl")
+        ran_threads = _threads_used(run_dir / "environment.json")
+        # A loader with persistent workers can outlive the run in a reference cycle; its
+        # workers are stopped here, in this run's time, not in the middle of a later one.
+        gc.collect()
+    if stop.stopped:
+        return stop.figures(config, data, wall_s=time.perf_counter() - started, threads=ran_threads)
     epoch_s = sum(float(r["time/epoch_s"]) for r in history)
     wait_s = sum(float(r["time/data_wait_s"]) for r in history)
     samples = sum(float(r["throughput/samples_per_s"]) * float(r["time/epoch_s"]) for r in history)
@@ -295,7 +347,66 @@ def measure_pipeline(
         epochs=max(1, len(history)),
         wall_s=time.perf_counter() - started,
         prepare_s=prepare_s,
+        epoch_times=tuple(float(r["time/epoch_s"]) for r in history) if whole else (),
+        persistent=config.loader.persistent_workers and config.loader.num_workers > 0,
+        threads=ran_threads,
     )
+
+
+def dataset_length(data: Dataset) -> int | None:
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _threads_used(path: Path) -> int:
+    """The intra-op thread count a run recorded in its environment.json (0: unknown)."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return int(json.loads(path.read_text()).get("torch_threads", 0))
+    return 0
+
+
+class _Deadline:
+    """A callback that stops a short run after the step that passes ``at``, counting
+    the steps and samples it saw (what is left of a run cut short)."""
+
+    def __init__(self, at: float | None, step_samples: int) -> None:
+        self.at = at
+        self.step_samples = step_samples
+        self.steps = 0
+        self.started = 0.0
+        self.stopped = False
+
+    def on_train_start(self, loop: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_step_end(self, loop: Any, step: Any) -> None:
+        self.steps += 1
+        if self.at is not None and time.perf_counter() >= self.at:
+            self.stopped = True
+            loop.request_stop("the tuner's deadline")
+        self.elapsed = time.perf_counter() - self.started
+
+    def figures(
+        self, config: RunConfig, data: Dataset, *, wall_s: float, threads: int
+    ) -> PipelineFigures:
+        elapsed = max(getattr(self, "elapsed", 0.0), 1e-9)
+        rate = self.steps * self.step_samples / elapsed
+        return PipelineFigures(
+            samples_per_s=rate,
+            data_wait_fraction=0.0,
+            steps=self.steps,
+            epoch_s=elapsed,
+            data_wait_s=0.0,
+            startup_s=0.0,
+            steady_samples_per_s=rate,
+            steady_data_wait_fraction=0.0,
+            epoch_samples=_epoch_samples(data, config),
+            wall_s=wall_s,
+            threads=threads,
+            cut_short=True,
+        )
 
 
 def startup_wait(

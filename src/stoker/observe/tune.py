@@ -1,18 +1,21 @@
-"""Loader autotuner: successive halving ranks loader settings by the loader alone, short
-training runs of the whole pipeline pick the winner and predict its speed-up."""
+"""The autotuner: successive halving ranks loader settings by the loader alone; a race of
+short training runs of the whole pipeline, the doctor's other changes included (cache,
+fused optimizer, thread count), picks the winner and predicts its speed-up."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.config import LoaderConfig, RunConfig
+from stoker.config import RunConfig
 from stoker.data.loader_fast import serves_in_process
 from stoker.observe.halving import (
     Candidate,
@@ -22,8 +25,11 @@ from stoker.observe.halving import (
     search_space,
     successive_halving,
 )
+from stoker.observe.proposals import MIN_GAIN
 from stoker.observe.short_run import (
     PipelineFigures,
+    cached_data,
+    dataset_length,
     measure_pipeline,
     warmup_steps,
 )
@@ -36,7 +42,17 @@ from stoker.observe.stages import (
     usable_cores,
     warmup_batches,
 )
-from stoker.observe.yaml_edit import write_loader_settings
+from stoker.observe.tune_search import (
+    PipelineRace,
+    candidate_scale,
+    changed_settings,
+    config_with,
+    facts_of,
+    other_changes,
+    race,
+    shortlist,
+)
+from stoker.observe.yaml_edit import write_loader_settings, write_settings
 from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline, build_train_loader
 
 __all__ = [
@@ -50,6 +66,7 @@ __all__ = [
     "successive_halving",
     "tune",
     "write_loader_settings",
+    "write_settings",
 ]
 
 logger = logging.getLogger("stoker")
@@ -92,17 +109,12 @@ class LoaderMeasure:
                 # Warm-up and bursts included, a candidate costs at most twice its share.
                 max_s=2 * seconds + 0.05,
             )
+        del loader
+        # Its workers stop now, in this measurement's time: a loader left for the garbage
+        # collector would stop in the middle of a later run, and workers forked before
+        # then inherit it (its shutdown then waits seconds on them).
+        gc.collect()
         return rate.samples_per_s
-
-
-def config_with(config: RunConfig, candidate: Candidate) -> RunConfig:
-    """``config`` with the candidate's loader settings."""
-    update: dict[str, Any] = {
-        key: value
-        for key, value in candidate.overrides().items()
-        if key in LoaderConfig.model_fields
-    }
-    return config.model_copy(update={"loader": config.loader.model_copy(update=update)})
 
 
 @dataclass(frozen=True)
@@ -113,12 +125,17 @@ class TuneResult:
         baseline: The configured settings.
         winner: The fastest settings measured.
         halving: Every measurement and what was abandoned when.
-        settings: The ``loader.*`` keys that differ from the config (what ``--write`` saves).
+        settings: The dotted keys whose winning value differs from the config
+            (``loader.num_workers``, ``data.cache``, ``optim.fused``, ``train.threads``):
+            what ``--write`` saves.
         notes: What was fixed and why (pinning on CPU, batched fetch as code advice).
         search_s: Wall time of the search.
         final_s: Seconds per candidate in the last round.
         baseline_pipeline: A short training run with the configured settings.
-        winner_pipeline: The same with the winner's settings.
+        winner_pipeline: The same with the winner's settings, in the same round.
+        race: Every short training run (None without confirming runs).
+        timings: Seconds per phase of the tuner (building, calibrating, searching,
+            racing): where its budget went.
     """
 
     baseline: Candidate
@@ -133,11 +150,23 @@ class TuneResult:
     rejected: bool = False
     epochs: int = 1
     confirmed: dict[Candidate, float] = dataclasses.field(default_factory=dict)
+    race: PipelineRace | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def pipeline_gain(self) -> float | None:
-        """The speed-up a real run of the configured epochs shows with the winner: both
-        short runs' rates over whole epochs, each epoch's start-up paid as a run pays it."""
+        """The speed-up a real run of the configured epochs shows with the winner: the
+        short runs' rates over the whole run (each epoch's start-up and shutdown, a
+        cache's fill once), as a real run pays them, not a steady epoch's; the mean of
+        the race's last rounds, winner and configured settings side by side."""
+        if self.race is not None and self.winner == self.race.winner:
+            return self.race.gain
+        return self.figures_gain
+
+    @property
+    def figures_gain(self) -> float | None:
+        """:attr:`pipeline_gain` from the one pair of runs ``baseline_pipeline`` and
+        ``winner_pipeline``."""
         if self.baseline_pipeline is None or self.winner_pipeline is None:
             return None
         base = self.baseline_pipeline.run_rate(self.epochs)
@@ -181,6 +210,17 @@ class TuneResult:
             "baseline_pipeline": _asdict(self.baseline_pipeline),
             "winner_pipeline": _asdict(self.winner_pipeline),
             "candidates": rows,
+            "training_runs": [
+                {
+                    "candidate": run.candidate.label(),
+                    "round": run.round,
+                    "steps": run.figures.steps,
+                    "samples_per_s": run.rate,
+                    "cut_short": run.figures.cut_short,
+                }
+                for run in (self.race.runs if self.race else ())
+            ],
+            "timings": self.timings,
         }
 
 
@@ -188,19 +228,11 @@ def _asdict(figures: PipelineFigures | None) -> dict[str, Any] | None:
     return None if figures is None else dataclasses.asdict(figures)
 
 
-def _settings(config: RunConfig, baseline: Candidate, winner: Candidate, *, cuda: bool) -> dict:
-    """The ``loader.*`` keys whose winning value differs from the config's."""
-    wanted: dict[str, Any] = {
-        "num_workers": winner.num_workers,
-        "prefetch_factor": winner.prefetch_factor if winner.num_workers else None,
-        "persistent_workers": winner.persistent_workers if winner.num_workers else False,
-    }
-    if cuda and winner.pin_memory != baseline.pin_memory:
-        wanted["pin_memory"] = winner.pin_memory
-    if winner.batch_size is not None:
-        wanted["batch_size"] = winner.batch_size
-    current = config.loader.model_dump()
-    return {key: value for key, value in wanted.items() if current.get(key) != value}
+#: The share of the budget (after building and calibrating) the loader-alone search gets
+#: when short training runs follow (they get the rest).
+SEARCH_SHARE = 0.2
+#: The share of the budget the last training run may end by (tearing it down follows).
+DEADLINE_SHARE = 0.95
 
 
 def tune(
@@ -213,27 +245,34 @@ def tune(
     max_workers: int = 16,
     say: Callable[[str], None] | None = None,
 ) -> TuneResult:
-    """Search the loader settings of ``config`` within about ``budget_s`` seconds.
+    """Search the settings of ``config`` that speed training, within ``budget_s`` seconds.
 
-    About 45% of the budget goes to successive halving over the loader alone (cheap:
-    no model), which ranks the candidates; the rest to short training runs of the whole
-    pipeline, the configured settings and the best few candidates, which pick the
-    winner. Its predicted speed-up is the one those runs show over whole epochs.
+    First a few training steps of the configured settings time a step of the whole
+    pipeline. Then successive halving over the loader settings alone (cheap: no model)
+    ranks them. Then a race of short training runs of the whole pipeline: the best loader
+    candidates, and the doctor's other changes (``data.cache=memory``,
+    ``optim.fused=true``, ``train.threads``) on the configured and on the best loader
+    settings, each briefly, then the configured settings and the best one again, longer
+    (whole epochs when they fit), side by side; the winners together when several win.
+    Every phase is planned against what is left of the budget. The predicted speed-up is
+    the one the last round's runs show over the whole run of ``train.epochs`` epochs.
 
     Args:
         config: The run config.
-        budget_s: Total time to spend, building the pipeline, search and confirming runs.
+        budget_s: Total time to spend, building the pipeline, search and training runs.
         batch_size: Also search the batch size (half, double, quadruple). It changes the
             optimisation, not only speed, so it is off unless asked for, and a winner
             with another batch size comes with a note on scaling the learning rate.
         confirm: Pick the winner by short training runs (off: the fastest loader alone,
-            with no predicted gain).
+            with no predicted gain, and none of the other changes).
         user: Python objects in place of config names.
         max_workers: Cap of the worker counts tried (besides the configured one).
         say: Called with a line before each phase (progress for people).
     """
     started = time.perf_counter()
     say = say or (lambda line: logger.debug(line))
+    timings: dict[str, float] = {}
+    gc.collect()  # loaders left over in this process stop before any worker forks
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_WORKER_WARNING)
         pipeline = build_pipeline(config, user or UserComponents())
@@ -276,7 +315,8 @@ def tune(
         max_workers=max_workers,
         cpu_share=fetch.cpu_share if fetch is not None else None,
     )
-    if serves_in_process(pipeline.train_data, batched=batched):
+    in_process = serves_in_process(pipeline.train_data, batched=batched)
+    if in_process:
         # Every worker count would measure the same in-process loader (build_loader
         # serves in-memory arrays without workers): only noise could pick among them.
         space = [candidate for candidate in space if candidate.num_workers == 0]
@@ -285,30 +325,43 @@ def tune(
             "loader's note): worker counts, prefetch_factor and persistent_workers are "
             "not searched, and num_workers is set to 0"
         )
+    timings["build_s"] = time.perf_counter() - started
     calibration = None
+    changes: list[dict[str, Any]] = []
     if confirm:
         # The shortest run of the configured settings first: it times a step of the whole
         # pipeline (the loader alone does not see compute), which sizes everything after.
         say("timing a training step of the configured settings")
+        mark = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_WORKER_WARNING)
             calibration = measure_pipeline(config, pipeline, model, steps=warmup_steps(config) + 4)
+        timings["calibrate_s"] = time.perf_counter() - mark
+        facts = facts_of(
+            config, pipeline, model, fetch=fetch, calibration=calibration, in_memory=in_process
+        )
+        facts = dataclasses.replace(facts, left_s=budget_s - (time.perf_counter() - started))
+        changes, skipped = other_changes(facts)
+        notes.extend(skipped)
     left_s = budget_s - (time.perf_counter() - started)
     search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
+    if len(space) == 1:
+        search_budget = min(search_budget, 0.3)  # one candidate: nothing to rank
     # Each measurement also pays start-up and warm-up (0.1 s to seconds with many
     # workers); successive halving takes about 1.35 measurements per candidate, and
     # shortens its later rounds when they would overrun.
     overhead_s = 0.3 * 1.35 * len(space)
     final_s = max(0.2, (search_budget - overhead_s) / halving_cost(len(space)))
-    say(f"{len(space)} candidates, successive halving, {final_s:.1f} s each in the last round")
+    final_s = min(final_s, search_budget)
+    say(f"{len(space)} loader candidates, successive halving, {final_s:.1f} s each at most")
     measure = LoaderMeasure(config, pipeline)
     search_started = time.perf_counter()
     halving = successive_halving(space, measure, final_s=final_s, deadline_s=search_budget)
     search_s = time.perf_counter() - search_started
-    winner = halving.winner
+    timings["loader_search_s"] = search_s
     result = TuneResult(
         baseline=baseline,
-        winner=winner,
+        winner=halving.winner,
         halving=halving,
         settings={},
         notes=(),
@@ -317,30 +370,43 @@ def tune(
         epochs=config.train.epochs,
     )
     if confirm:
-        deadline = started + 0.95 * budget_s  # a margin: a run can end a little late
         assert calibration is not None
+        mark = time.perf_counter()
         result = confirm_by_training(
-            result, config, pipeline, model, calibration, deadline=deadline, say=say
+            result,
+            config,
+            pipeline,
+            model,
+            calibration,
+            changes=changes,
+            deadline=started + DEADLINE_SHARE * budget_s,
+            say=say,
         )
-        winner = result.winner
+        timings["training_runs_s"] = time.perf_counter() - mark
+    winner = result.winner
     if winner.per_sample:
         notes.append("per-sample fetch measured faster than batched fetch for this dataset")
-    settings = {} if result.rejected else _settings(config, baseline, winner, cuda=cuda)
-    if "batch_size" in settings:
-        old, new = loader_cfg.batch_size, settings["batch_size"]
+    settings = {} if result.rejected else changed_settings(config, baseline, winner, cuda=cuda)
+    if "loader.batch_size" in settings:
+        old, new = loader_cfg.batch_size, settings["loader.batch_size"]
         notes.append(
             f"loader.batch_size {old} -> {new} changes the optimisation, not only the speed: "
             f"each step averages {new} samples and there are {old / new:.2g}x as many steps "
             f"per epoch; scale the learning rate with it (linear scaling: optim.lr="
             f"{config.optim.lr * new / old:.3g}) and compare the loss curves"
         )
-    return dataclasses.replace(result, settings=settings, notes=(*notes, *result.notes))
-
-
-#: The share of the budget (after building the pipeline) successive halving gets.
-SEARCH_SHARE = 0.45
-#: Candidates besides the configured settings confirmed by short training runs.
-CONFIRMED = 3
+    if settings.get("data.cache") == "memory" and result.winner_pipeline is not None:
+        fill = result.winner_pipeline.prepare_s
+        notes.append(
+            f"data.cache=memory: filling the cache took {fill:.1f} s before the first epoch "
+            "(counted in the speed-up, over the run's epochs); the decoded samples stay in "
+            "memory, and every epoch sees the first one's samples (no random augmentation "
+            "before the cache)"
+        )
+    timings["total_s"] = time.perf_counter() - started
+    return dataclasses.replace(
+        result, settings=settings, notes=(*notes, *result.notes), timings=timings
+    )
 
 
 def confirm_by_training(
@@ -350,72 +416,82 @@ def confirm_by_training(
     model: Any,
     calibration: PipelineFigures,
     *,
+    changes: list[dict[str, Any]],
     deadline: float,
     say: Callable[[str], None],
 ) -> TuneResult:
-    """Short training runs of the configured settings and the best few candidates
-    (by the loader alone), sized to end by ``deadline``; the fastest run wins, and a
-    winner that is not more than 5% faster than the configured settings is rejected."""
+    """The race of short training runs (see :func:`stoker.observe.tune_search.race`) over
+    the best loader candidates and the other changes; a winner not more than 5% faster
+    than the configured settings is rejected."""
     halving = result.halving
     ranked = sorted(
-        (c for c in dict.fromkeys(t.candidate for t in halving.trials) if c != result.baseline),
+        dict.fromkeys(t.candidate for t in halving.trials),
         key=lambda c: (-(halving.last_trial(c).samples_per_s), c.cost()),  # type: ignore[union-attr]
     )
-    shortlist = list(dict.fromkeys([result.winner, *ranked]))[:CONFIRMED]
-    shortlist = [c for c in shortlist if c != result.baseline]
-    runs: dict[Candidate, PipelineFigures] = {}
-    order = [result.baseline, *shortlist]
-    say(f"confirming: {len(order)} short training runs")
-    # ``calibration``, the shortest run of the configured settings, sizes every run and
-    # stands for the configured settings when a longer run does not fit.
-    runs[result.baseline] = calibration
-    per_step_s = calibration.epoch_s / max(calibration.steps, 1)
-    overhead_s = max(0.0, calibration.wall_s - calibration.epoch_s)
-    for index, candidate in enumerate(order):
-        left = deadline - time.perf_counter()
-        # What is left, shared by the runs still to go; each run also pays its set-up.
-        seconds = left / (len(order) - index) - overhead_s
+    ranked = list(dict.fromkeys([result.winner, *ranked]))
+    candidates = shortlist(ranked, result.baseline, changes, phases=calibration.phases)
+    say(f"racing {len(candidates)} candidates and the current settings in short training runs")
+    cached: dict[str, tuple[Any, float]] = {}
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures | None:
         run_config = config_with(config, candidate)
-        fewest = warmup_steps(run_config) + 4
-        if seconds < fewest * per_step_s * candidate_scale(run_config, config):
-            continue  # does not fit: a run past the deadline would break the budget
         data = PerSampleView(pipeline.train_data) if candidate.per_sample else None
-        scale = candidate_scale(run_config, config)
-        steps = max(fewest, int(seconds / (per_step_s * scale)))
+        fill_s = 0.0
+        if candidate.cache == "memory":
+            if "memory" not in cached:  # filled once, its time charged to every run
+                cached["memory"] = cached_data(run_config, pipeline.train_data)
+            data, fill_s = cached["memory"]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-            runs[candidate] = measure_pipeline(
-                run_config, pipeline, model, steps=steps, dataset=data
+            figures = measure_pipeline(
+                run_config, pipeline, model, steps=steps, dataset=data, deadline=until
             )
-        if candidate == result.baseline:
-            per_step_s = runs[candidate].epoch_s / max(runs[candidate].steps, 1)
-    base = runs[result.baseline]
-    epochs = result.epochs
-    rates = {c: f.run_rate(epochs) for c, f in runs.items()}
-    best = max(rates, key=lambda c: (rates[c], -sum(map(float, c.cost()[:1]))))
+        return dataclasses.replace(figures, prepare_s=fill_s) if fill_s else figures
+
+    def per_epoch(candidate: Candidate) -> int | None:
+        run_config = config_with(config, candidate)
+        length = dataset_length(pipeline.train_data)
+        if length is None:
+            return None
+        size = run_config.loader.batch_size
+        batches = length // size if run_config.loader.drop_last else math.ceil(length / size)
+        return max(1, math.ceil(batches / run_config.train.grad_accum_steps))
+
+    raced = race(
+        candidates,
+        result.baseline,
+        calibration,
+        measure,
+        deadline=deadline,
+        epochs=result.epochs,
+        epoch_steps=per_epoch,
+        fewest=lambda c: warmup_steps(config_with(config, c)) + 4,
+        scale=lambda c: candidate_scale(config_with(config, c), config),
+    )
+    base_rate = raced.baseline_figures.run_rate(result.epochs)
+    best_rate = raced.winner_figures.run_rate(result.epochs)
     notes: list[str] = []
-    rejected = best == result.baseline or rates[best] <= 1.05 * rates[result.baseline]
-    if rejected and best != result.baseline:
+    rejected = raced.winner == result.baseline or raced.gain <= MIN_GAIN
+    if rejected and raced.winner != result.baseline:
         notes.append(
-            f"no change: the best candidate trained at {rates[best]:,.0f} samples/s vs "
-            f"{rates[result.baseline]:,.0f} with the current settings (not 5% faster)"
+            f"no change: the best candidate trained at {best_rate:,.0f} samples/s vs "
+            f"{base_rate:,.0f} with the current settings (not 5% faster)"
         )
     elif rejected:
         notes.append("no change: the current settings trained fastest")
+    if raced.dropped:
+        notes.append(
+            f"{len(raced.dropped)} candidate(s) not run for lack of time: "
+            + "; ".join(c.label() for c in raced.dropped)
+        )
+    winner_figures = raced.winner_figures if not rejected else raced.baseline_figures
     return dataclasses.replace(
         result,
-        winner=best if not rejected else result.winner,
-        baseline_pipeline=base,
-        winner_pipeline=runs[best],
+        winner=raced.winner if not rejected else result.baseline,
+        baseline_pipeline=raced.baseline_figures,
+        winner_pipeline=winner_figures,
         rejected=rejected,
         notes=tuple(notes),
-        confirmed={c: rates[c] / rates[result.baseline] for c in runs},
+        confirmed={c: rate / base_rate for c, rate in raced.rates().items() if base_rate > 0},
+        race=raced,
     )
-
-
-def candidate_scale(candidate_config: RunConfig, config: RunConfig) -> float:
-    """A step's cost relative to the configured one (by batch size)."""
-    return candidate_config.loader.batch_size / config.loader.batch_size
-
-
-# --- writing the winner into the config ------------------------------------------------

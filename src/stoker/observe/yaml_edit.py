@@ -9,23 +9,47 @@ from typing import Any
 
 import yaml
 
-from stoker.config import LoaderConfig, load_yaml, validate_config
+from stoker.config import (
+    DataConfig,
+    LoaderConfig,
+    OptimConfig,
+    TrainConfig,
+    load_yaml,
+    validate_config,
+)
 from stoker.errors import ConfigError
 
-__all__ = ["write_loader_settings"]
+__all__ = ["write_loader_settings", "write_settings"]
+
+#: The sections ``write_settings`` edits, by their config model.
+_SECTIONS = {"loader": LoaderConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
 
 
 def write_loader_settings(
     path: str | Path, settings: Mapping[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
-    """Set ``loader.<key>`` in the YAML file at ``path``; everything else stays as written.
-
-    The file is edited as a round trip (ruamel.yaml): comments, key order, quoting and
-    flow or block style are kept, and a new key is added in the style of its section.
-    It is written only after the result validates as a run config.
+    """:func:`write_settings` of ``loader.<key>`` for each key of ``settings``.
 
     Returns:
-        ``{key: (old, new)}`` for each key that changed (old is the default when absent).
+        ``{key: (old, new)}`` for each key that changed, without the ``loader.`` prefix.
+    """
+    changed = write_settings(path, {f"loader.{key}": value for key, value in settings.items()})
+    return {key.split(".", 1)[1]: change for key, change in changed.items()}
+
+
+def write_settings(path: str | Path, settings: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Set dotted ``section.key`` settings (``loader.num_workers``, ``data.cache``,
+    ``optim.fused``, ``train.threads``) in the YAML file at ``path``; everything else
+    stays as written.
+
+    The file is edited as a round trip (ruamel.yaml): comments, key order, quoting and
+    flow or block style are kept, and a new key is added in the style of its section
+    (a missing section is added at the end). It is written only after the result
+    validates as a run config.
+
+    Returns:
+        ``{dotted key: (old, new)}`` for each key that changed (old is the default when
+        absent).
     """
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap
@@ -36,23 +60,28 @@ def write_loader_settings(
     editor.preserve_quotes = True
     editor.width = 4096  # never fold a long line the user wrote on one
     document = editor.load(path.read_text())
-    loader = document.get("loader")
-    if loader is None:
-        loader = CommentedMap()
-    if not isinstance(loader, dict):
-        raise ConfigError(f"{path}: `loader` is a {type(loader).__name__}, not a section")
-    defaults = LoaderConfig().model_dump()
     changes: dict[str, tuple[Any, Any]] = {}
-    for key, value in settings.items():
-        if key not in LoaderConfig.model_fields:
-            raise ConfigError(f"loader.{key} is not a loader setting")
-        old = loader.get(key, defaults.get(key))
+    for dotted, value in settings.items():
+        name, _, key = dotted.partition(".")
+        model = _SECTIONS.get(name)
+        if model is None:
+            known = ", ".join(f"{n}.*" for n in _SECTIONS)
+            raise ConfigError(f"{dotted} is not a setting stoker can write ({known})")
+        if key not in model.model_fields:
+            raise ConfigError(f"{dotted} is not a {name} setting")
+        section = document.get(name)
+        if section is None:
+            section = CommentedMap()
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: `{name}` is a {type(section).__name__}, not a section")
+        default = model.model_fields[key].get_default(call_default_factory=True)
+        old = section.get(key, default)
         if old != value:
-            loader[key] = value
-            changes[key] = (old, value)
+            section[key] = value
+            document[name] = section
+            changes[dotted] = (old, value)
     if not changes:
         return changes
-    document["loader"] = loader
     buffer = io.StringIO()
     editor.dump(document, buffer)
     text = buffer.getvalue()

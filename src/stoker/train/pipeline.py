@@ -128,6 +128,12 @@ def build_eval_loader(
     )
 
 
+def cached_train_data(config: RunConfig, dataset: Dataset) -> Dataset:
+    """``dataset`` behind the cache ``data.cache`` asks for, as a run gets it (the
+    doctor's and the tuner's short runs measure exactly what training would use)."""
+    return _cached(config, dataset)
+
+
 def _cached(config: RunConfig, dataset: Dataset) -> Dataset:
     """Wrap the training data in a cache when ``data.cache`` asks for one."""
     data = config.data

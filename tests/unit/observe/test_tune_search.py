@@ -1,0 +1,271 @@
+"""The tuner's race: the doctor's other changes as candidates, their order, the plan of
+each short run against the budget, the race on fake runs, and writing every key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stoker.config import load_config
+from stoker.errors import ConfigError
+from stoker.observe.halving import Candidate, successive_halving
+from stoker.observe.short_run import PipelineFigures
+from stoker.observe.tune_search import (
+    Facts,
+    other_changes,
+    race,
+    run_steps,
+    shortlist,
+)
+from stoker.observe.yaml_edit import write_settings
+
+FACTS = Facts(
+    device="cpu",
+    cores=2,
+    workers=0,
+    threads=2,
+    optimizer="adamw",
+    fused=False,
+    cache="none",
+    length=1000,
+    in_memory=False,
+    per_sample_s=0.001,
+    sample_bytes=1024,
+    free_bytes=2**33,
+    epochs=2,
+    left_s=8.0,
+)
+
+
+def test_other_changes_are_the_doctors_kinds_where_they_apply() -> None:
+    found, notes = other_changes(FACTS)
+    assert found == [{"cache": "memory"}, {"fused": True}, {"threads": 1}]
+    assert notes == []
+    # With a worker, the thread counts tried are 1 and the cores per process.
+    found, _ = other_changes(dataclasses.replace(FACTS, workers=1, threads=4))
+    assert {"threads": 1} in found and {"threads": 2} not in found
+    found, _ = other_changes(dataclasses.replace(FACTS, threads=1, cores=4))
+    assert [c for c in found if "threads" in c] == [{"threads": 4}]
+    # Nothing to fuse, nothing to cache, no intra-op threads to tune on a GPU.
+    quiet = dataclasses.replace(FACTS, fused=True, cache="memory", device="cuda")
+    assert other_changes(quiet) == ([], [])
+    assert other_changes(dataclasses.replace(quiet, fused=False, optimizer="sgd")) == ([], [])
+    assert other_changes(dataclasses.replace(quiet, cache="none", in_memory=True))[0] == []
+    assert other_changes(dataclasses.replace(quiet, cache="none", length=None))[0] == []
+
+
+def test_a_cache_is_tried_only_when_its_fill_fits_the_budget_and_memory() -> None:
+    # One epoch of costly samples: the fill costs what the epoch would; not tried.
+    one_epoch = dataclasses.replace(FACTS, epochs=1)
+    assert {"cache": "memory"} not in other_changes(one_epoch)[0]
+    # One epoch of cheap samples: read into arrays once, served a batch at a time.
+    cheap = dataclasses.replace(one_epoch, per_sample_s=5e-6)
+    assert {"cache": "memory"} in other_changes(cheap)[0]
+    slow = dataclasses.replace(FACTS, per_sample_s=0.01, length=100_000)  # 1,000 s to fill
+    found, notes = other_changes(slow)
+    assert {"cache": "memory"} not in found
+    assert "data.cache=memory not tried" in notes[0] and "--budget-s" in notes[0]
+    big = dataclasses.replace(FACTS, sample_bytes=2**30, free_bytes=2**32)
+    found, notes = other_changes(big)
+    assert {"cache": "memory"} not in found and "GiB" in notes[0]
+
+
+def test_shortlist_pairs_changes_with_the_loader_settings_and_orders_by_the_phase_table() -> None:
+    baseline = Candidate(3)
+    ranked = [Candidate(2), Candidate(4), baseline, Candidate(0), Candidate(1)]
+    changes = [{"cache": "memory"}, {"fused": True}, {"threads": 1}]
+    phases = {"data_wait": 0.1, "forward": 0.1, "backward": 0.1, "optimizer": 0.7}
+    found = shortlist(ranked, baseline, changes, phases=phases)
+    assert baseline not in found
+    # The two best loader candidates, and the best one without workers.
+    assert {Candidate(2), Candidate(4), Candidate(0)} <= set(found)
+    # Each change on the configured loader settings and on the best loader candidate;
+    # a cache with the workers off (the cached samples are served in-process).
+    assert Candidate(3, fused=True) in found and Candidate(2, fused=True) in found
+    assert Candidate(0, cache="memory") in found
+    assert Candidate(3, threads=1) in found and Candidate(2, threads=1) in found
+    # The optimizer takes half the step: the fused kernel first, data wait last.
+    assert found[0] == Candidate(3, fused=True)
+    assert found.index(Candidate(3, threads=1)) < found.index(Candidate(2))
+    waiting = shortlist(ranked, baseline, changes, phases={"data_wait": 0.9, "forward": 0.1})
+    assert waiting[0] in {Candidate(2), Candidate(0, cache="memory")}
+
+
+def test_run_steps_plans_whole_epochs_when_one_fits_and_nothing_when_too_little_is_left() -> None:
+    plan = {"overhead_s": 0.3, "step_s": 0.01, "fewest": 10, "epoch_steps": 40, "epochs": 3}
+    assert run_steps(0.3 + 0.5, **plan) == 40  # 50 steps fit: one whole epoch
+    assert run_steps(0.3 + 1.0, **plan) == 80  # 100 fit: two whole epochs
+    assert run_steps(0.3 + 9.0, **plan) == 120  # never more than the run's 3 epochs
+    assert run_steps(0.3 + 0.25, **plan) == 25  # less than an epoch: what fits
+    assert run_steps(0.3 + 0.05, **plan) is None  # not even the fewest steps
+    assert run_steps(1.0, **{**plan, "epoch_steps": None}) == 70  # a stream
+
+
+def figures(rate: float, *, steps: int, step_s: float, overhead_s: float) -> PipelineFigures:
+    epoch_s = steps * step_s
+    return PipelineFigures(
+        samples_per_s=rate,
+        data_wait_fraction=0.0,
+        steps=steps,
+        epoch_s=epoch_s,
+        data_wait_s=0.0,
+        startup_s=0.0,
+        steady_samples_per_s=rate,
+        steady_data_wait_fraction=0.0,
+        wall_s=epoch_s + overhead_s,
+    )
+
+
+def test_race_keeps_to_its_deadline_and_compares_the_winner_in_the_same_round() -> None:
+    clock = [0.0]
+    baseline = Candidate(0)
+    fused, threads, workers = Candidate(0, fused=True), Candidate(0, threads=1), Candidate(2)
+    rates = {baseline: 100.0, fused: 150.0, threads: 120.0, workers: 90.0}
+    calls: list[tuple[Candidate, int]] = []
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        calls.append((candidate, steps))
+        rate = rates.get(candidate, 170.0)  # the two winners together
+        step_s = 64 / rate
+        clock[0] += 0.3 + steps * step_s  # every run pays 0.3 s besides its steps
+        return figures(rate, steps=steps, step_s=step_s, overhead_s=0.3)
+
+    calibration = figures(100.0, steps=5, step_s=0.64, overhead_s=0.3)
+    result = race(
+        [fused, threads, workers],
+        baseline,
+        calibration,
+        measure,
+        deadline=30.0,
+        epochs=2,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    assert clock[0] <= 30.0
+    together = Candidate(0, fused=True, threads=1)
+    assert together in [c for c, _ in calls]  # two changes won: tried together
+    assert result.winner == together
+    # The last round measured the configured settings again beside the finalists.
+    last = [run for run in result.runs if run.round >= 2]
+    assert last[0].candidate == baseline and last[1].candidate == together
+    assert result.gain == pytest.approx(1.7)
+    assert result.baseline_figures is last[-2].figures
+
+
+def test_race_skips_runs_that_do_not_fit() -> None:
+    clock = [0.0]
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        clock[0] += 0.3 + steps * 0.5
+        return figures(128.0, steps=steps, step_s=0.5, overhead_s=0.3)
+
+    calibration = figures(128.0, steps=5, step_s=0.5, overhead_s=0.3)
+    candidates = [Candidate(w) for w in (1, 2, 3, 4)]
+    result = race(
+        candidates,
+        Candidate(0),
+        calibration,
+        measure,
+        deadline=4.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    assert clock[0] <= 4.0
+    assert result.dropped  # 4 runs of at least 1.8 s cannot fit in 4 s
+    assert result.gain == pytest.approx(1.0)
+
+
+def test_halving_starts_no_measurement_that_would_end_past_its_deadline() -> None:
+    clock = [0.0]
+    candidates = [Candidate(w) for w in range(8)]
+
+    def measure(candidate: Candidate, seconds: float) -> float:
+        clock[0] += seconds + 1.0  # start-up and shutdown: 1 s a measurement
+        return 100.0 + candidate.num_workers
+
+    result = successive_halving(
+        candidates, measure, final_s=1.6, deadline_s=5.0, clock=lambda: clock[0]
+    )
+    assert clock[0] <= 5.0
+    assert len(result.trials) == 4
+
+
+def test_candidate_settings_and_label_carry_the_other_changes() -> None:
+    candidate = Candidate(2, cache="memory", fused=True, threads=1)
+    assert candidate.settings() == {"data.cache": "memory", "optim.fused": True, "train.threads": 1}
+    assert "data.cache=memory" in candidate.label() and "optim.fused=true" in candidate.label()
+    assert candidate.loader() == Candidate(2)
+    assert Candidate(2).settings() == {}
+    assert Candidate(2).cost() < candidate.cost()  # fewer changes first among equals
+
+
+def test_run_rate_from_whole_epochs_pays_each_epochs_start_up_as_a_real_run() -> None:
+    base = dataclasses.replace(
+        figures(1000.0, steps=10, step_s=0.064, overhead_s=0.3), epoch_samples=640
+    )
+    # Two whole epochs measured: the run of two is exactly their time, plus a cache fill.
+    two = dataclasses.replace(base, epoch_times=(1.0, 0.6), prepare_s=0.4)
+    assert two.run_rate(2) == pytest.approx(2 * 640 / (0.4 + 1.6))
+    # Three epochs from two: the later ones at the second's time.
+    assert two.run_rate(3) == pytest.approx(3 * 640 / (0.4 + 1.0 + 0.6 + 0.6))
+    # One epoch without persistent workers: every epoch pays its start-up again.
+    one = dataclasses.replace(base, epoch_times=(1.0,))
+    assert one.run_rate(2) == pytest.approx(2 * 640 / 2.0)
+
+
+CONFIG = """\
+# tuned by stoker
+model: {name: mlp}  # the model
+data: {train: {name: digits}}
+loader: {batch_size: 64}  # flow style
+optim:
+  lr: 0.01  # keep
+train:
+  device: cpu
+"""
+
+
+def test_write_settings_writes_every_key_of_the_winner_keeping_comments_and_style(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG)
+    changes = write_settings(
+        path,
+        {
+            "loader.num_workers": 2,
+            "data.cache": "memory",
+            "optim.fused": True,
+            "train.threads": 1,
+        },
+    )
+    assert changes == {
+        "loader.num_workers": (0, 2),
+        "data.cache": ("none", "memory"),
+        "optim.fused": ("auto", True),
+        "train.threads": ("auto", 1),
+    }
+    text = path.read_text()
+    lines = text.splitlines()
+    assert lines[0] == "# tuned by stoker" and lines[1] == "model: {name: mlp}  # the model"
+    assert lines[2].startswith("data: {train: {name: digits}, cache: memory}")
+    assert lines[3].startswith("loader: {batch_size: 64, num_workers: 2}")
+    assert lines[3].endswith("# flow style")
+    assert "  lr: 0.01  # keep" in lines and "  fused: true" in lines
+    assert "  threads: 1" in lines
+    config = load_config(path)
+    assert config.data.cache == "memory" and config.optim.fused is True
+    assert config.train.threads == 1 and config.loader.num_workers == 2
+    assert yaml.safe_load(text)["model"] == {"name": "mlp"}
+    with pytest.raises(ConfigError, match="not a optim setting"):
+        write_settings(path, {"optim.fuse": True})
+    with pytest.raises(ConfigError, match="not a setting stoker can write"):
+        write_settings(path, {"model.name": "x"})
