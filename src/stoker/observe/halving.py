@@ -49,6 +49,7 @@ class Candidate:
     threads: int | None = None
 
     def label(self) -> str:
+        """The settings in one line, as tune's table and log show a candidate."""
         parts = [f"workers={self.num_workers}"]
         if self.num_workers:
             parts.append(f"prefetch={self.prefetch_factor or 2}")
@@ -122,10 +123,12 @@ class Halving:
     spent_s: float
 
     def last_trial(self, candidate: Candidate) -> Trial | None:
+        """The latest measurement of ``candidate`` (None if it was never measured)."""
         found = [t for t in self.trials if t.candidate == candidate]
         return found[-1] if found else None
 
     def status(self, candidate: Candidate) -> str:
+        """``winner``, ``kept`` or the round it was dropped after, for tune's table."""
         if candidate == self.winner:
             return "winner"
         if candidate in self.abandoned:

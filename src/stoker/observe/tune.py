@@ -88,6 +88,7 @@ class LoaderMeasure:
         self.repeats = repeats
 
     def __call__(self, candidate: Candidate, seconds: float) -> float:
+        """Samples/s of the loader alone with ``candidate``'s settings, over ``seconds``."""
         pipeline = self.pipeline
         data = PerSampleView(pipeline.train_data) if candidate.per_sample else pipeline.train_data
         with warnings.catch_warnings():
