@@ -361,7 +361,10 @@ def test_a_fetch_that_computes_reads_as_computing_on_a_busy_machine() -> None:
             hog.kill()
             hog.wait()
     assert busy is not None and sleepy is not None
-    assert busy.cpu_share > 0.8  # CPU time over wall time alone read ~0.4-0.5 here
+    # The doctor reads a share below 0.5 as waiting (more workers than cores may help).
+    # CPU time over wall time alone read ~0.3-0.5 here; with the run-queue wait taken
+    # out, 0.6-1.0 (time the hypervisor gives other guests shows in neither figure).
+    assert busy.cpu_share > 0.55
     assert sleepy.cpu_share < 0.3
 
 
