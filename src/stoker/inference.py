@@ -27,6 +27,7 @@ from stoker.checkpoint.manifest import inspect_checkpoint
 from stoker.config import ComponentSpec, RunConfig, load_config
 from stoker.data.device import move_to_device, resolve_device
 from stoker.data.loader import build_loader
+from stoker.data.sources import length_or_none
 from stoker.errors import CheckpointError, ConfigError, DataError
 from stoker.predictions import PredictionWriter, open_writer
 from stoker.train.batch import forward
@@ -222,7 +223,7 @@ def evaluate_run(
     )
     return {
         "metrics": metrics,
-        "samples": _length(dataset),
+        "samples": length_or_none(dataset),
         "data": str(Path(data).absolute()) if data is not None else "validation data",
         "which": which,
         "weights": str(weights.path),
@@ -271,7 +272,7 @@ def predict(
     loader = _loader(config, dataset, device=device_, batch_size=batch_size)
     classes = getattr(dataset, "classes", None)
     writer: PredictionWriter = writer_type(
-        Path(out), task=components.task_of(config), classes=classes, rows=_length(dataset)
+        Path(out), task=components.task_of(config), classes=classes, rows=length_or_none(dataset)
     )
     with writer, torch.inference_mode():
         for batch in _with_bar(loader, show=progress, what=f"predicting {Path(data).name}"):
@@ -350,13 +351,6 @@ def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
-def _length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
-
-
 def _with_bar(loader: Iterable[Any], *, show: bool, what: str) -> Iterator[Any]:
     """The loader's batches, with a rich bar on a terminal (nothing in a log or a pipe)."""
     if not show or not sys.stderr.isatty():
@@ -364,7 +358,7 @@ def _with_bar(loader: Iterable[Any], *, show: bool, what: str) -> Iterator[Any]:
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    total = _length(loader)
+    total = length_or_none(loader)
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=True, console=_stderr_console()) as bar:
         task = bar.add_task(what, total=total)

@@ -19,6 +19,7 @@ __all__ = [
     "dataset_lengths",
     "dataset_targets",
     "innermost",
+    "length_or_none",
     "origin_indices",
     "origin_lengths",
     "split_dataset",
@@ -388,6 +389,14 @@ def dataset_targets(dataset: Dataset[Any]) -> torch.Tensor | None:
         One label per sample, or None when the labels are not cheaply known.
     """
     return _per_sample(dataset, _own_targets)
+
+
+def length_or_none(sized: object) -> int | None:
+    """``len(sized)``, or None for what has no length (a stream, or a loader over one)."""
+    try:
+        return len(sized)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def dataset_lengths(dataset: Dataset[Any]) -> torch.Tensor | None:

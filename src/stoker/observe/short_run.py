@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from stoker.config import RunConfig
 from stoker.data.cache import CachedDataset
-from stoker.data.sources import ArrayDataset
+from stoker.data.sources import ArrayDataset, length_or_none
 from stoker.observe.stages import burst_size, warmup_batches
 from stoker.train.pipeline import Pipeline, UserComponents, cached_train_data
 from stoker.train.session import train_run
@@ -276,7 +276,7 @@ def measure_pipeline(
     except TypeError:
         per_epoch = steps
     epochs = min(max(1, math.ceil(steps / per_epoch)), 1000)
-    whole = dataset_length(data) is not None and epochs * per_epoch == steps
+    whole = length_or_none(data) is not None and epochs * per_epoch == steps
     skip = warmup_steps(config)
     # About eight windows per epoch: a record (a sync and a line written) is no per-step cost.
     log_every = max(1, min(steps, per_epoch) // 8)
@@ -353,13 +353,6 @@ def measure_pipeline(
     )
 
 
-def dataset_length(data: Dataset) -> int | None:
-    try:
-        return len(data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
 def _threads_used(path: Path) -> int:
     """The intra-op thread count a run recorded in its environment.json (0: unknown)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
@@ -376,6 +369,7 @@ class _Deadline:
         self.step_samples = step_samples
         self.steps = 0
         self.started = 0.0
+        self.elapsed = 0.0
         self.stopped = False
 
     def on_train_start(self, loop: Any) -> None:
@@ -391,7 +385,7 @@ class _Deadline:
     def figures(
         self, config: RunConfig, data: Dataset, *, wall_s: float, threads: int
     ) -> PipelineFigures:
-        elapsed = max(getattr(self, "elapsed", 0.0), 1e-9)
+        elapsed = max(self.elapsed, 1e-9)
         rate = self.steps * self.step_samples / elapsed
         return PipelineFigures(
             samples_per_s=rate,

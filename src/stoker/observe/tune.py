@@ -19,6 +19,7 @@ import torch
 
 from stoker.config import RunConfig
 from stoker.data.loader_fast import serves_in_process
+from stoker.data.sources import length_or_none
 from stoker.observe.halving import (
     Candidate,
     Halving,
@@ -31,7 +32,6 @@ from stoker.observe.proposals import MIN_GAIN
 from stoker.observe.short_run import (
     PipelineFigures,
     cached_data,
-    dataset_length,
     measure_pipeline,
     warmup_steps,
 )
@@ -465,7 +465,7 @@ def confirm_by_training(
 
     def per_epoch(candidate: Candidate) -> int | None:
         run_config = config_with(config, candidate)
-        length = dataset_length(pipeline.train_data)
+        length = length_or_none(pipeline.train_data)
         if length is None:
             return None
         size = run_config.loader.batch_size

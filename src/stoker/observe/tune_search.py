@@ -16,10 +16,10 @@ import psutil
 import torch
 
 from stoker.config import LoaderConfig, RunConfig
-from stoker.data.sources import ArrayDataset
+from stoker.data.sources import ArrayDataset, length_or_none
 from stoker.observe.halving import Candidate
 from stoker.observe.proposals import CHEAP_SAMPLE_S, MIN_GAIN
-from stoker.observe.short_run import PipelineFigures, apply_settings, dataset_length
+from stoker.observe.short_run import PipelineFigures, apply_settings
 from stoker.observe.stages import usable_cores
 from stoker.train.optim import build_optimizer
 from stoker.train.pipeline import Pipeline
@@ -429,7 +429,7 @@ def facts_of(
 ) -> Facts:
     """The facts :func:`other_changes` decides from (``left_s`` left at 0)."""
     data = pipeline.train_data
-    length = dataset_length(data)
+    length = length_or_none(data)
     optimizer = build_optimizer(copy.deepcopy(model), config.optim, device=pipeline.device)
     return Facts(
         device=pipeline.device.type,

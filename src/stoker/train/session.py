@@ -26,6 +26,7 @@ from stoker.config import RunConfig, write_config
 from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_fingerprint
 from stoker.data.prefetch import DevicePrefetcher
 from stoker.data.records import BadRecordLog
+from stoker.data.sources import length_or_none
 from stoker.distributed.guards import (
     AgreedStop,
     RankSyncedLoader,
@@ -181,7 +182,7 @@ def _train_run(
         )
     check_same_data(
         dist,
-        length=_length_or_none(pipeline.train_data),
+        length=length_or_none(pipeline.train_data),
         digest=fingerprint.digest if fingerprint is not None else None,
     )
     # Check that the run can be resumed before anything takes the checkpoint lock.
@@ -268,7 +269,7 @@ def _train_run(
         every_steps=tracking.progress_every_steps,
         # The run's ETA counts the steps left: max_steps included, a resume's done left out.
         run_steps=_total_steps(config, train_loader)
-        if _length_or_none(train_loader) is not None
+        if length_or_none(train_loader) is not None
         else config.train.max_steps,
         steps_done=state.step,
     )
@@ -567,13 +568,6 @@ def _per_rank(name: str, dist: Distributed) -> str:
         return name
     stem, _, suffix = name.rpartition(".")
     return f"{stem}.rank{dist.rank}.{suffix}"
-
-
-def _length_or_none(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def _run_dir(config: RunConfig, resume: str | Path | None) -> Path:

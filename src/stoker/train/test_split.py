@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from stoker.checkpoint import load_checkpoint
 from stoker.config import RunConfig
+from stoker.data.sources import length_or_none
 from stoker.errors import ConfigError
 from stoker.train.evaluate import evaluate
 from stoker.train.pipeline import Pipeline, build_eval_loader
@@ -107,7 +108,7 @@ class TestSplit:
                 "warning: no best checkpoint was saved (no finite "
                 f"{loop.monitor.metric}); testing the last weights"
             )
-        size = _length(self.data)
+        size = length_or_none(self.data)
         loop.progress.message(
             f"testing {f'{size} samples ' if size is not None else ''}with the {used} "
             f"weights (epoch {epoch})"
@@ -198,10 +199,3 @@ def _load_weights(model: nn.Module, state: dict[str, Any], *, sharded: bool) -> 
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(state)
-
-
-def _length(dataset: Dataset) -> int | None:
-    try:
-        return len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return None
