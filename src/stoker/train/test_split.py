@@ -100,13 +100,15 @@ class TestSplit:
         if self.weights == "best":
             # Rank 0 wrote the checkpoints; broadcasting waits for its last save too.
             pointer = dist.broadcast(_best_pointer(run_dir) if dist.is_main else None)
-        used, epoch = "last", state.epoch
+        used, epoch = "last", _epoch_of_last_step(loop)
         if pointer is not None:
             used, epoch = "best", int(pointer.get("epoch") or epoch)
         elif self.weights == "best":
+            # A best checkpoint is chosen at an epoch's end: a run a callback stopped in
+            # its first epoch has none yet.
+            why = f"no finite {loop.monitor.metric}" if loop.history else "no epoch ended"
             loop.progress.message(
-                "warning: no best checkpoint was saved (no finite "
-                f"{loop.monitor.metric}); testing the last weights"
+                f"warning: no best checkpoint was saved ({why}); testing the last weights"
             )
         size = length_or_none(self.data)
         loop.progress.message(
@@ -161,6 +163,20 @@ class TestSplit:
         view.message(
             f"test ({self.result['weights']} weights, epoch {self.result['epoch']}): {figures}"
         )
+
+
+def _epoch_of_last_step(loop: Loop) -> int:
+    """The epoch (from 1) the run's last weights were trained in.
+
+    ``state.epoch`` counts finished epochs, which is that number when the run ended with
+    an epoch; a run a callback stopped mid-epoch (``loop.request_stop``) has not counted
+    the epoch its last step was in, so it is the next number, as its checkpoint says.
+    """
+    state, history = loop.state, loop.history
+    ended_with_an_epoch = bool(history) and history[-1].get("step") == state.step
+    if loop.stop_reason is not None and state.step > 0 and not ended_with_an_epoch:
+        return state.epoch_number
+    return state.epoch
 
 
 def _best_pointer(run_dir: Path) -> dict[str, Any] | None:

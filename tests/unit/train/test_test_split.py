@@ -184,3 +184,36 @@ def test_test_settings_are_checked_with_the_config() -> None:
         validate_config({"data": {"val_fraction": 0.5, "test_fraction": 0.5}})
     with pytest.raises(ConfigError, match="data.test and data.test_fraction are both set"):
         validate_config({"data": {"test": {"name": "digits"}, "test_fraction": 0.1}})
+
+
+def test_a_run_a_callback_stops_mid_epoch_tests_the_epoch_it_was_in(
+    tmp_path, toy_classification, mlp_factory, capsys
+) -> None:
+    class StopAtStep3:
+        def on_step_end(self, loop, step) -> None:
+            if step.step == 3:
+                loop.request_stop("enough")
+
+    x, y = toy_classification
+    result = stoker.fit(
+        mlp_factory(),
+        (x, y),
+        epochs=2,
+        val_fraction=0.2,
+        test_fraction=0.25,
+        callbacks=[StopAtStep3()],
+        run_dir=tmp_path,
+        **{**OPTIONS, "progress": "plain"},
+    )
+    assert result.stop_reason == "enough" and not result.history
+    # Epochs count from 1 everywhere: the weights of step 3 are epoch 1's, as the
+    # checkpoint saved at that step says.
+    last = json.loads((tmp_path / "checkpoints" / "last.json").read_text())
+    assert last["epoch"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["test"]["epoch"] == 1
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines if "test/loss" in line] == [1]
+    out = capsys.readouterr()
+    shown = out.out + out.err
+    assert "no best checkpoint was saved (no epoch ended); testing the last weights" in shown
+    assert "testing 64 samples with the last weights (epoch 1)" in shown
