@@ -41,6 +41,10 @@ Which = Literal["best", "last"]
 #: (the names ``stoker.config_paths`` resolves as paths, less the ``*_dir`` kind, which
 #: may be a cache's).
 PATH_ARGS = ("path", "paths", "root", "dir", "file", "folder")
+#: What ``stoker predict`` reads for a run whose data spec names no file (a built-in
+#: dataset such as ``digits``, a function): a plain file of the model's inputs, one row
+#: per sample, by its suffix, with the source that reads that kind of file in training.
+PLAIN_INPUTS = {".npy": "npy", ".csv": "csv", ".parquet": "parquet"}
 SAFETENSORS = "model.safetensors"
 
 
@@ -265,7 +269,7 @@ def predict(
     """
     config = load_run_config(run_dir)
     writer_type = open_writer(out)  # an unknown suffix fails before any work
-    dataset = dataset_for(config, data)
+    dataset = dataset_for(config, data, inputs_only=True)
     device_ = resolve_device(device or config.train.device)
     model = _load(config, run_dir, which=which, device=device_)[0]
     precision = build_precision(config.train, device_)
@@ -283,30 +287,45 @@ def predict(
     return writer.path, writer.rows
 
 
-def dataset_for(config: RunConfig, path: str | Path) -> Dataset[Any]:
+def dataset_for(config: RunConfig, path: str | Path, *, inputs_only: bool = False) -> Dataset[Any]:
     """The run's data spec read from ``path`` instead of the run's own file or folder.
 
     The validation spec (``data.val``) is the template when the run has one, else
     ``data.train``; its path argument (``path``, ``root``, ``dir``…) is replaced by
-    ``path``, and random augmentation (``augment``) is turned off.
+    ``path``, and random augmentation (``augment``) is turned off. With
+    ``inputs_only`` (predictions need no targets), a run whose data spec names no file
+    — a built-in dataset such as ``digits``, or a function — reads a plain ``.npy``,
+    ``.csv`` or ``.parquet`` file of the model's inputs instead, one row per sample.
     """
     template = config.data.val or config.data.train
     if template is None:
         raise ConfigError("the run's config has no data spec (data.train) to read data with")
+    target = Path(path).expanduser().absolute()
     key = next((k for k in PATH_ARGS if k in template.args), None)
-    if key is None:
+    if key is None and not inputs_only:
         raise ConfigError(
             f"the run's data spec {template.name} has no path argument "
             f"({', '.join(PATH_ARGS)}), so stoker cannot point it at {path}",
             hint="load the model with stoker.load_model(run_dir) and run it on your data",
         )
-    target = Path(path).expanduser().absolute()
+    if key is None and PLAIN_INPUTS.get(target.suffix.lower()) is None:
+        raise ConfigError(
+            f"the run's data spec {template.name} reads no file, so stoker predicts from a "
+            f"plain file of the model's inputs, one row per sample: .npy, .csv or .parquet, "
+            f"not {path}",
+            hint="save the inputs with numpy.save('inputs.npy', array), or load the model "
+            "with stoker.load_model(run_dir) and run it on your data",
+        )
     if not target.exists():
         raise DataError(f"{target} does not exist", hint="give a file or folder of data")
-    args = {**template.args, key: str(target)}
-    if "augment" in args:
-        args["augment"] = False
-    spec = ComponentSpec(name=template.name, args=args)
+    if key is None:
+        # Every column (every value of a .npy row) is an input: no target, no label.
+        spec = ComponentSpec(name=PLAIN_INPUTS[target.suffix.lower()], args={"path": str(target)})
+    else:
+        args = {**template.args, key: str(target)}
+        if "augment" in args:
+            args["augment"] = False
+        spec = ComponentSpec(name=template.name, args=args)
     data = config.data.model_copy(update={"train": spec, "val": None, "val_fraction": None})
     return components.build_datasets(config.model_copy(update={"data": data}))[0]
 

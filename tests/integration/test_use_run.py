@@ -45,15 +45,20 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     # What make_data.py:digits_png checks before it reuses a folder instead of writing one.
     manifest = {"dataset": "digits", "version": 1, "files": ROWS}
     (data / "stoker-example.json").write_text(json.dumps(manifest))
+    train(EXAMPLES / "digits.yaml", run_dir, f"data.train.args.root={data}")
+    return run_dir, data
+
+
+def train(config: Path, run_dir: Path, *overrides: str) -> None:
+    """Train ``config`` for one epoch through the CLI's ``main``, in this process."""
     # The run seeds the global RNGs; give the tests that follow the state they had.
     states = torch.get_rng_state(), np.random.get_state(), random.getstate()
     threads = torch.get_num_threads()
     try:
         code = main(
             [
-                "train", str(EXAMPLES / "digits.yaml"), f"data.train.args.root={data}",
-                "train.epochs=1", "tracking.tensorboard=false",
-                "--run-dir", str(run_dir), "--quiet",
+                "train", str(config), *overrides, "train.epochs=1",
+                "tracking.tensorboard=false", "--run-dir", str(run_dir), "--quiet",
             ]
         )  # fmt: skip
     finally:
@@ -62,7 +67,6 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         random.setstate(states[2])
         torch.set_num_threads(threads)
     assert code == 0
-    return run_dir, data
 
 
 def test_predict_writes_one_row_per_input_in_each_format(
@@ -107,6 +111,35 @@ def test_predict_refuses_an_unknown_suffix_before_any_work(
     assert main(["predict", str(run_dir), str(few), "--out", str(tmp_path / "p.xlsx")]) == 2
     assert ".parquet, .csv or .npy" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_predict_on_the_builtin_digits_run_reads_a_plain_file_of_inputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference run (examples/digits.yaml, what ``stoker demo`` trains) reads the
+    built-in ``digits``, which has no file to point at: INPUT is a plain file of inputs."""
+    from sklearn.datasets import load_digits
+
+    run_dir = tmp_path / "run"
+    train(EXAMPLES.parent / "digits.yaml", run_dir)
+    digits = load_digits()
+    pixels = (digits.data[:30] / 16).astype(np.float32)  # as the built-in scales them
+    np.save(tmp_path / "x.npy", pixels)
+    header = ",".join(f"p{i}" for i in range(64))
+    rows = "\n".join(",".join(f"{v:g}" for v in row) for row in pixels[:20])
+    (tmp_path / "x.csv").write_text(f"{header}\n{rows}\n")
+    expected = stoker.load_model(run_dir)(torch.from_numpy(pixels)).argmax(1).tolist()
+    for name, count in (("x.npy", 30), ("x.csv", 20)):
+        out = tmp_path / f"{name}.parquet"
+        assert main(["predict", str(run_dir), str(tmp_path / name), "--out", str(out)]) == 0
+        table = pq.read_table(out).to_pydict()
+        assert table["index"] == list(range(count))  # one prediction per input row
+        assert set(table) == {"index", "prediction", "probability"}  # no target in the file
+        assert table["prediction"] == expected[:count]
+    assert "wrote 20 predictions (best weights)" in capsys.readouterr().out
+    assert main(["predict", str(run_dir), str(tmp_path), "--out", str(tmp_path / "p.csv")]) == 2
+    error = capsys.readouterr().err
+    assert "data spec digits reads no file" in error and ".npy, .csv or .parquet" in error
 
 
 def test_evaluate_prints_and_writes_the_validation_metrics(

@@ -16,7 +16,9 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         description=(
             "Rebuild a run's model from its config.yaml, load its best (or last) weights and "
             "predict every sample of INPUT, batch by batch. INPUT is read with the run's own "
-            "data spec (its path argument replaced by INPUT; augmentation off). The suffix of "
+            "data spec (its path argument replaced by INPUT; augmentation off); for a run "
+            "whose data spec reads no file (a built-in dataset such as digits), INPUT is a "
+            ".npy, .csv or .parquet of the model's inputs, one row per sample. The suffix of "
             "--out picks the format: .parquet or .csv (one row per sample: index, "
             "prediction, probability and label for classification, target when the data has "
             "one) or .npy (the raw outputs, one row per sample)."
