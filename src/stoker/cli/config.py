@@ -37,9 +37,11 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         parents=parents,
         help="check a config without running it: exit 0 if valid, 2 with every problem",
         description=(
-            "Check a config (file and overrides) against the schema without building or "
-            "training anything. Exit 0 when it is valid; exit 2 listing every problem at "
-            "once, each with its key and the fix."
+            "Check a config (file and overrides) against the schema, and that each name in "
+            "it (model, data, loss, collate, optimizer, schedule, metrics, step_fn, "
+            "callbacks) is a built-in or an import path that resolves, without building, "
+            "importing or training anything. Exit 0 when it is valid; exit 2 listing every "
+            "problem at once, each with its key and the fix."
         ),
     )
     add_config_and_overrides(validate, example="loader.batch_size=128")
@@ -60,8 +62,19 @@ def run_show(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     """``stoker config validate``: exit 0 when valid; a ConfigError lists every problem."""
     from stoker.config import load_config
+    from stoker.config_refs import reference_problems
+    from stoker.errors import ConfigError
 
-    load_config(args.config, args.overrides)  # a ConfigError (exit 2) lists every problem
+    config = load_config(args.config, args.overrides)  # a ConfigError lists every problem
+    problems = reference_problems(config)
+    if problems:
+        count = f"{len(problems)} name{'s' * (len(problems) != 1)}"
+        raise ConfigError(
+            f"{args.config}: {count} that resolve to nothing:\n"
+            + "\n".join(f"  - {problem}" for problem in problems),
+            hint="fix each key above (the paths shown are resolved: a file's from the "
+            "config's folder, an override's from the current folder)",
+        )
     with_overrides = f" with {len(args.overrides)} override(s)" if args.overrides else ""
     print(f"{args.config}{with_overrides}: valid")
     return 0
