@@ -18,9 +18,11 @@ def add_parser(subparsers: argparse._SubParsersAction, *, parents: list) -> None
         help="print the shell completion script for bash or zsh",
         description=(
             "Print a completion script for stoker's commands, flags and file arguments. "
-            "bash: stoker completion bash > ~/.local/share/bash-completion/completions/stoker; "
-            'zsh: stoker completion zsh > "${fpath[1]}/_stoker" (any folder on $fpath). '
-            "Open a new shell afterwards."
+            "bash (with bash-completion): stoker completion bash > "
+            "~/.local/share/bash-completion/completions/stoker (mkdir -p the folder first), "
+            "or source <(stoker completion bash) in ~/.bashrc; zsh: stoker completion zsh > "
+            "~/.zfunc/_stoker, with fpath=(~/.zfunc $fpath) before compinit in ~/.zshrc (any "
+            "folder on $fpath). Open a new shell afterwards."
         ),
     )
     parser.add_argument("shell", choices=SHELLS, help="the shell to complete in")
