@@ -12,7 +12,15 @@ import pytest
 
 PAGE = Path(__file__).parents[2] / "docs" / "own-code.md"
 #: The sections whose snippets this test runs (others may be added to the page later).
-SECTIONS = ("## Callbacks", "## Your own optimizer and scheduler", "## Your own step")
+SECTIONS = (
+    "## Callbacks",
+    "## Your own optimizer and scheduler",
+    "## Your own step",
+    "## Metrics",
+    "## A test split",
+    "## Use a trained run",
+)
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 RUNNER = """
 import sys
@@ -32,14 +40,18 @@ def snippets() -> list[str]:
     return found
 
 
-@pytest.mark.slow  # three short trainings in a subprocess: ~10 s of CPU
+@pytest.mark.slow  # six short trainings in a subprocess: ~20 s of CPU
 def test_the_snippets_of_bring_your_own_code_run(tmp_path: Path) -> None:
+    pytest.importorskip("torchmetrics")  # the metrics snippet's metric object
+    # The snippets run from the repository's root: examples/digits.yaml, as there.
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "digits.yaml").write_text((EXAMPLES / "digits.yaml").read_text())
     paths = []
     for index, code in enumerate(snippets()):
         path = tmp_path / f"snippet{index}.py"
         path.write_text(code)
         paths.append(str(path))
-    assert len(paths) == 3
+    assert len(paths) == 6
     done = subprocess.run(
         [sys.executable, "-c", RUNNER, *paths],
         capture_output=True,
@@ -53,3 +65,5 @@ def test_the_snippets_of_bring_your_own_code_run(tmp_path: Path) -> None:
     assert "mean loss" in printed[0]  # StopAtLoss stopped the run, saying why
     assert float(printed[1].split()[-1]) > 0  # the lr after StepLR
     assert "val/kind_accuracy" in printed[2]
+    assert "test/f1" in printed[4]  # result.test_metrics
+    assert "eval/accuracy" in printed[5] and "100 predictions in preds.parquet" in printed[5]
