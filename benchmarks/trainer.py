@@ -44,6 +44,7 @@ End to end (5 epochs):
   time stoker / floor <= 1.10.
 
     python benchmarks/trainer.py --out bench-out
+    python benchmarks/trainer.py --out bench-out --only overhead --no-lightning --rounds 9
 """
 
 from __future__ import annotations
@@ -178,6 +179,28 @@ class NoOpStepCallback:
         pass
 
 
+def step_hook_dispatch_s() -> dict[str, float]:
+    """Seconds per step of the loop's step hook alone (``Callbacks.step_end``), timed with
+    timeit in this process: with no callback and with one no-op callback. The whole-run
+    ratio below cannot resolve a cost this small on a shared machine; this can."""
+    import functools
+    import timeit
+    from types import SimpleNamespace
+
+    from stoker.train.callbacks import Callbacks
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    state = SimpleNamespace(step=5, epoch=0, epoch_number=1)
+    loop = SimpleNamespace(state=state, step_loss=torch.tensor(1.0), optimizer=optimizer)
+    figures = {}
+    for name, callbacks in (("none", Callbacks()), ("noop", Callbacks([NoOpStepCallback()]))):
+        number = 100_000
+        call = functools.partial(callbacks.step_end, loop, None, 3)
+        best = min(timeit.repeat(call, number=number, repeat=5))
+        figures[name] = best / number
+    return figures
+
+
 # ------------------------------------------------------------------ the two benchmarks
 
 
@@ -241,6 +264,7 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             contenders["hand"].last_weights, contenders["lightning"].last_weights
         )
 
+    dispatch = step_hook_dispatch_s()
     hand_steps = column(records["hand"], "step_s")
     ratio = paired_ratio(column(records["stoker"], "step_s"), hand_steps)
     same = weights["stoker_vs_hand_fused"]["bitwise_equal"]
@@ -285,6 +309,20 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             ),
             unit="x",
             note="the step hook's dispatch (a StepRecord per step); none registered: no record",
+        ),
+        info(
+            bench,
+            "overhead: step hook dispatch, no callback",
+            dispatch["none"] * 1e9,
+            unit="ns",
+            note="timeit of Callbacks.step_end alone (through functools.partial), best of 5",
+        ),
+        info(
+            bench,
+            "overhead: step hook dispatch, one no-op callback",
+            dispatch["noop"] * 1e9,
+            unit="ns",
+            note="a StepRecord and one call per step",
         ),
         Check(
             bench,
@@ -476,6 +514,11 @@ def main() -> None:
     parser.add_argument("--overhead-epochs", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5, help="end-to-end epochs")
     parser.add_argument("--no-lightning", action="store_true", help="leave Lightning out")
+    parser.add_argument(
+        "--only",
+        choices=("overhead", "end_to_end"),
+        help="run one section (overhead: the per-step and callback figures, ~20 s)",
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     rounds = args.rounds or 9
@@ -490,8 +533,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
         root = Path(tmp)
-        over_figures, over_checks = overhead(root, rounds, args.overhead_epochs, skip_lightning)
-        e2e_figures, e2e_checks = end_to_end(root, rounds, args.epochs, skip_lightning)
+        over_figures: dict = {}
+        e2e_figures: dict = {}
+        over_checks: list = []
+        e2e_checks: list = []
+        if args.only in (None, "overhead"):
+            over_figures, over_checks = overhead(root, rounds, args.overhead_epochs, skip_lightning)
+        if args.only in (None, "end_to_end"):
+            e2e_figures, e2e_checks = end_to_end(root, rounds, args.epochs, skip_lightning)
     checks = over_checks + e2e_checks
     print(table(checks))
     lightning_version = None
