@@ -8,6 +8,7 @@ rebuilds the model, the data pipeline and the loss; ``checkpoints/`` (``best.jso
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import sys
@@ -325,9 +326,33 @@ def dataset_for(config: RunConfig, path: str | Path, *, inputs_only: bool = Fals
         args = {**template.args, key: str(target)}
         if "augment" in args:
             args["augment"] = False
+        if inputs_only and args.get("target") and not _has_column(target, args):
+            # A table of inputs alone: predictions need no target column.
+            args = {k: v for k, v in args.items() if k not in ("target", "target_dtype")}
         spec = ComponentSpec(name=template.name, args=args)
-    data = config.data.model_copy(update={"train": spec, "val": None, "val_fraction": None})
+    # The whole file, one sample per row: no validation or test share split off.
+    data = config.data.model_copy(
+        update={"train": spec, "val": None, "val_fraction": None, "test": None}
+        | {"test_fraction": None}
+    )
     return components.build_datasets(config.model_copy(update={"data": data}))[0]
+
+
+def _has_column(path: Path, args: dict[str, Any]) -> bool:
+    """Whether the CSV or Parquet table at ``path`` has the column ``args["target"]``
+    (True when it cannot tell: the source then says what is wrong)."""
+    name = args["target"]
+    if path.is_dir():
+        path = next(iter(sorted(path.glob("*.parquet"))), path)
+    if not path.is_file():
+        return True
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return name in pq.read_schema(path).names
+    with path.open(newline="") as file:
+        header = next(csv.reader(file, delimiter=args.get("delimiter", ",")), [])
+    return name in header
 
 
 def _validation_data(config: RunConfig, run_dir: str | Path) -> Dataset[Any]:

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 import stoker
@@ -140,6 +141,52 @@ def test_predict_on_the_builtin_digits_run_reads_a_plain_file_of_inputs(
     assert main(["predict", str(run_dir), str(tmp_path), "--out", str(tmp_path / "p.csv")]) == 2
     error = capsys.readouterr().err
     assert "data spec digits reads no file" in error and ".npy, .csv or .parquet" in error
+
+
+def test_predict_reads_every_row_of_a_table_in_order_with_or_without_the_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that split validation and test shares off its CSV predicts a whole CSV:
+    every row, in the file's order (the shares are not split off the input again), and
+    a table of inputs alone, without the target column."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).round(4)
+    y = x @ np.array([1.0, -2.0, 0.5])
+    rows = "\n".join(",".join(f"{v:g}" for v in (*r, t)) for r, t in zip(x, y, strict=True))
+    (tmp_path / "train.csv").write_text(f"a,b,c,y\n{rows}\n")
+    inputs = "\n".join(",".join(f"{v:g}" for v in r) for r in x)
+    (tmp_path / "inputs.csv").write_text(f"a,b,c\n{inputs}\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "mlp", "args": {"in_features": 3, "out_features": 1}},
+                "data": {
+                    "train": {"name": "csv", "args": {"path": "train.csv", "target": "y"}},
+                    "val_fraction": 0.25,
+                    "test_fraction": 0.25,
+                },
+                "loss": {"name": "mse"},
+                "loader": {"batch_size": 8},
+            }
+        )
+    )
+    run_dir = tmp_path / "run"
+    train(config, run_dir)
+    model = stoker.load_model(run_dir)
+    expected = model(torch.tensor(x, dtype=torch.float32)).squeeze(1).tolist()
+    for name in ("train.csv", "inputs.csv"):
+        out = tmp_path / f"{name}.parquet"
+        assert main(["predict", str(run_dir), str(tmp_path / name), "--out", str(out)]) == 0
+        table = pq.read_table(out).to_pydict()
+        assert table["index"] == list(range(40))
+        assert table["prediction"] == pytest.approx(expected, rel=1e-5)
+        if name == "train.csv":
+            assert table["target"] == pytest.approx(y.tolist(), rel=1e-4)  # the file's order
+        else:
+            assert "target" not in table
+    assert main(["evaluate", str(run_dir), "--data", str(tmp_path / "train.csv")]) == 0
+    assert "(40 samples)" in capsys.readouterr().out
 
 
 def test_evaluate_prints_and_writes_the_validation_metrics(
