@@ -111,6 +111,27 @@ def test_config_show_prints_the_resolved_config(capsys: pytest.CaptureFixture[st
     assert shown["model"]["name"] == f"{config.parent.absolute() / 'models.py'}:SmallCNN"
 
 
+def test_a_pipe_closed_early_ends_the_command_quietly() -> None:
+    """``stoker config show X | head -2``: the reader leaves before all is written; no
+    BrokenPipeError traceback follows, and the exit code is 141 as for other tools."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: EPIPE every time
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "stoker", "config", "show", str(EXAMPLES / "text.yaml")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141
+
+
 def test_config_validate_lists_every_problem_and_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

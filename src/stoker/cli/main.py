@@ -86,6 +86,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stoker: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe broke (a worker's, a peer's): that is an error to show
+        # Whoever read stdout has gone (`stoker config show X | head -3`): stop quietly as
+        # other tools do. Python's own flush of stdout at exit would fail again, with a
+        # traceback, so stdout is pointed at devnull first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a tool its pipe cut off
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (its write end polls as an error)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no real stdout
+        return False
 
 
 def _rank_prefix() -> str:
