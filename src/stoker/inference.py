@@ -33,6 +33,8 @@ from stoker.errors import CheckpointError, ConfigError, DataError
 from stoker.predictions import PredictionWriter, open_writer
 from stoker.train.batch import forward
 from stoker.train.evaluate import evaluate
+from stoker.train.metric_set import build_metrics
+from stoker.train.objective import UserStep, evaluate_steps
 from stoker.train.precision import build_precision
 
 __all__ = ["Weights", "evaluate_run", "find_weights", "load_model", "load_run_config", "predict"]
@@ -193,10 +195,11 @@ def evaluate_run(
     device: str | None = None,
     batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a run's best or last weights: loss and the task's metrics.
+    """Evaluate a run's best or last weights: loss, the task's metrics and ``train.metrics``.
 
     The metrics are computed by the same code as validation during training
-    (``stoker.train.evaluate``), under ``torch.inference_mode``.
+    (``stoker.train.evaluate``), under ``torch.inference_mode``; a run with a
+    ``train.step_fn`` is measured by its ``eval_fn`` (or ``step_fn``), as it validated.
 
     Args:
         run_dir: The run dir.
@@ -216,16 +219,27 @@ def evaluate_run(
     model, weights = _load(config, run_dir, which=which, device=device_)
     loader = _loader(config, dataset, device=device_, batch_size=batch_size)
     ignore = config.loss.ignore_index if config.loss.normalize == "tokens" else None
-    metrics = evaluate(
-        model,
-        loader,
-        components.build_loss(config),
-        device=device_,
-        precision=build_precision(config.train, device_),
-        task=components.task_of(config),
-        prefix="eval",
-        ignore_index=ignore,
-    )
+    precision = build_precision(config.train, device_)
+    step_fn, eval_fn = components.build_step_fns(config)
+    if eval_fn or step_fn:
+        # As the run validated: its eval_fn (or step_fn) gives the loss and its figures.
+        field = "eval_fn" if eval_fn is not None else "step_fn"
+        step = UserStep(eval_fn or step_fn, field=f"train.{field}")
+        metrics = evaluate_steps(
+            model, loader, step, device=device_, precision=precision, prefix="eval"
+        )
+    else:
+        metrics = evaluate(
+            model,
+            loader,
+            components.build_loss(config),
+            device=device_,
+            precision=precision,
+            task=components.task_of(config),
+            prefix="eval",
+            ignore_index=ignore,
+            metrics=build_metrics(config.train.metrics),
+        )
     return {
         "metrics": metrics,
         "samples": length_or_none(dataset),

@@ -168,6 +168,7 @@ def test_predict_reads_every_row_of_a_table_in_order_with_or_without_the_target(
                 },
                 "loss": {"name": "mse"},
                 "loader": {"batch_size": 8},
+                "train": {"metrics": ["r2"]},
             }
         )
     )
@@ -186,7 +187,22 @@ def test_predict_reads_every_row_of_a_table_in_order_with_or_without_the_target(
         else:
             assert "target" not in table
     assert main(["evaluate", str(run_dir), "--data", str(tmp_path / "train.csv")]) == 0
-    assert "(40 samples)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(40 samples)" in printed
+    assert "eval/r2: " in printed  # the run's train.metrics, besides the task's own
+
+
+def test_evaluate_measures_a_step_fn_run_as_it_validated(tmp_path: Path) -> None:
+    """The two-headed example's model returns two outputs, which only its step_fn
+    scores: evaluate uses it, as the run's validation did."""
+    run_dir = tmp_path / "run"
+    train(EXAMPLES.parent / "two_heads" / "two_heads.yaml", run_dir, "callbacks=[]")
+    result = stoker.evaluate_run(run_dir, which="last")
+    record = load_checkpoint(read_pointer(run_dir / "checkpoints", "last"))["history"][-1]
+    names = ("loss", "kind_loss", "weight_loss", "kind_accuracy", "weight_mae_kg")
+    assert set(result["metrics"]) == {f"eval/{name}" for name in names}
+    for name in names:
+        assert result["metrics"][f"eval/{name}"] == pytest.approx(record[f"val/{name}"], rel=1e-5)
 
 
 def test_evaluate_prints_and_writes_the_validation_metrics(

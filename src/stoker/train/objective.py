@@ -270,25 +270,32 @@ def evaluate_steps(
     return metrics.compute(prefix)
 
 
-def validate(loop: Loop) -> dict[str, Any]:
-    """The validation metrics: the built-in loss and task metrics, or a user's eval_fn."""
+def validate(loop: Loop, loader: Iterable | None = None, *, prefix: str = "val") -> dict[str, Any]:
+    """The validation metrics: the built-in loss and task metrics, or a user's eval_fn.
+
+    ``loader`` defaults to the run's validation data; the test split passes its own
+    (with ``prefix="test"``), so that it is measured as validation is.
+    """
+    loader = loop.val_loader if loader is None else loader
     own = loop.eval_fn or loop.step_fn
     if own is not None:
         field_name = "eval_fn" if loop.eval_fn is not None else "step_fn"
         return evaluate_steps(
             loop.model,
-            loop.val_loader,  # type: ignore[arg-type]
+            loader,  # type: ignore[arg-type]
             UserStep(own, field=field_name),
             device=loop.device,
             precision=loop.precision,
+            prefix=prefix,
         )
     return evaluate(
         loop.model,
-        loop.val_loader,  # type: ignore[arg-type]
+        loader,  # type: ignore[arg-type]
         loop.loss_fn,
         device=loop.device,
         precision=loop.precision,
         task=loop.task,
+        prefix=prefix,
         ignore_index=loop.ignore_index if loop.normalize == "tokens" else None,
         metrics=loop.metrics,
     )

@@ -525,6 +525,16 @@ def _step_fns(config: RunConfig, user: UserComponents) -> tuple[Any, Any]:
             "batch does not name",
             hint="set loss.normalize=samples; average over tokens inside the step_fn",
         )
+    if step_fn is not None and (config.train.metrics or user.metrics):
+        # They score (outputs, targets), which a step_fn's batch does not name: they
+        # would be dropped without a word.
+        raise ConfigError(
+            "train.metrics cannot be computed with a step_fn: they take the model's outputs "
+            "and the targets, and a step_fn returns its own figures",
+            hint="return them from the step_fn (and eval_fn) as entries of its dict, "
+            "{'loss': loss, 'f1': ...}, logged as train/f1 and val/f1; and leave "
+            "train.metrics (fit's metrics=) empty",
+        )
     return step_fn, eval_fn
 
 

@@ -29,7 +29,7 @@ from stoker.checkpoint import load_checkpoint
 from stoker.config import RunConfig
 from stoker.data.sources import length_or_none
 from stoker.errors import ConfigError
-from stoker.train.evaluate import evaluate
+from stoker.train.objective import validate
 from stoker.train.pipeline import Pipeline, build_eval_loader
 
 if TYPE_CHECKING:
@@ -131,17 +131,8 @@ class TestSplit:
                 bundle = load_checkpoint(run_dir / "checkpoints" / pointer["checkpoint"])
                 _load_weights(model, bundle["model"], sharded=sharded)
                 del bundle
-            values = evaluate(
-                loop.model,
-                loader,
-                loop.loss_fn,
-                device=loop.device,
-                precision=loop.precision,
-                task=loop.task,
-                prefix="test",
-                ignore_index=loop.ignore_index if loop.normalize == "tokens" else None,
-                metrics=loop.metrics,
-            )
+            # As validation measures: the built-in loss and metrics, or the run's eval_fn.
+            values = validate(loop, loader, prefix="test")
         finally:
             if kept is not None:
                 model.load_state_dict(kept)

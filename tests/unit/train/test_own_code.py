@@ -12,6 +12,7 @@ from torch import nn
 import stoker
 from bitwise import assert_bitwise_equal
 from stoker.checkpoint import find_latest, load_checkpoint
+from stoker.data.sources import split_train_val_test
 from stoker.errors import ConfigError, StokerError
 from stoker.train.callbacks import CallbackError, StepRecord
 
@@ -353,6 +354,28 @@ def test_a_step_fn_with_token_normalization_is_refused() -> None:
         stoker.fit(
             TwoHeads(), (x, kind, size), step_fn=two_head_step, normalize="tokens", **OPTIONS
         )
+
+
+def test_listed_metrics_with_a_step_fn_are_refused_not_dropped() -> None:
+    x, kind, size = two_head_data()
+    with pytest.raises(ConfigError, match="train.metrics cannot be computed with a step_fn"):
+        stoker.fit(TwoHeads(), (x, kind, size), step_fn=two_head_step, metrics=["f1"], **OPTIONS)
+
+
+def test_the_test_split_of_a_step_fn_run_is_measured_by_its_step_fn(tmp_path) -> None:
+    x, kind, size = two_head_data()
+    result = stoker.fit(
+        TwoHeads(), (x, kind, size), val_fraction=0.25, test_fraction=0.25, epochs=1,
+        step_fn=two_head_step, run_dir=tmp_path, **OPTIONS,
+    )  # fmt: skip
+    assert set(result.test_metrics) == {"test/loss", "test/kind_loss", "test/kind_accuracy"}
+    # The test share measured directly with the step function, on the run's weights.
+    _, _, test = split_train_val_test(
+        stoker.ArrayDataset(x, kind, size), val_fraction=0.25, test_fraction=0.25, seed=0
+    )
+    with torch.no_grad():
+        expected = two_head_step(result.model.eval(), test.arrays)  # type: ignore[attr-defined]
+    assert result.test_metrics["test/kind_loss"] == pytest.approx(float(expected["kind_loss"]))
 
 
 def test_a_step_fn_run_resumed_mid_epoch_reports_the_whole_epochs_outputs(tmp_path) -> None:
