@@ -85,7 +85,13 @@ class Eta:
         else:
             return None
         per_step = (self.clock() - self._run_start) / self._run_advanced
-        return max(left, 0) * per_step
+        run_eta = max(left, 0) * per_step
+        epoch_eta = self.epoch_eta_s()
+        if epoch_eta is not None and left >= (self.epoch_total or 0) - self.epoch_done:
+            # The run ends no sooner than this epoch: an epoch slower than the run so far
+            # (its first steps, a loader warming up) would show "ETA 0:09  run 0:05".
+            run_eta = max(run_eta, epoch_eta)
+        return run_eta
 
 
 def format_duration(seconds: float | None) -> str:

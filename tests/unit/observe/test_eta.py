@@ -51,6 +51,26 @@ def test_run_eta_counts_the_epochs_left_at_the_pace_so_far() -> None:
     assert eta.run_eta_s() == pytest.approx(19 * 21 / 11)
 
 
+def test_the_run_ends_no_sooner_than_its_epoch() -> None:
+    clock = Clock()
+    eta = Eta(clock=clock)
+    eta.start_epoch(1, epochs=2, total_steps=10)
+    clock.now += 10
+    eta.advance(10)  # 1 s a step
+    eta.start_epoch(2, epochs=2, total_steps=10)
+    clock.now += 4
+    eta.advance(2)  # the last epoch starts slower: 2 s a step
+    assert eta.epoch_eta_s() == pytest.approx(16.0)
+    assert eta.run_eta_s() == pytest.approx(16.0)  # not 8 left x 14/12 s = 9.3
+    # max_steps ending the run before the epoch does: the run's own count decides.
+    short = Eta(run_steps=5, clock=clock)
+    short.start_epoch(1, epochs=2, total_steps=10)
+    clock.now += 4
+    short.advance(2)
+    assert short.epoch_eta_s() == pytest.approx(16.0)
+    assert short.run_eta_s() == pytest.approx(6.0)  # 3 steps left at 2 s
+
+
 def test_run_eta_ends_at_max_steps_and_leaves_out_a_resumes_steps() -> None:
     clock = Clock()
     # max_steps=12 ends the run two steps into its second epoch.
