@@ -221,10 +221,11 @@ def evaluate_run(
     ignore = config.loss.ignore_index if config.loss.normalize == "tokens" else None
     precision = build_precision(config.train, device_)
     step_fn, eval_fn = components.build_step_fns(config)
-    if eval_fn or step_fn:
+    own = eval_fn or step_fn
+    if own is not None:
         # As the run validated: its eval_fn (or step_fn) gives the loss and its figures.
         field = "eval_fn" if eval_fn is not None else "step_fn"
-        step = UserStep(eval_fn or step_fn, field=f"train.{field}")
+        step = UserStep(own, field=f"train.{field}")
         metrics = evaluate_steps(
             model, loader, step, device=device_, precision=precision, prefix="eval"
         )
