@@ -65,6 +65,19 @@ def test_help_version_config_report_and_completion_do_not_import_torch(tmp_path:
     assert (run_dir / "report.html").is_file()
 
 
+def test_train_reports_a_config_mistake_before_importing_torch(tmp_path: Path) -> None:
+    config = str(EXAMPLES / "digits.yaml")
+    argvs = [["train", config, "train.epochs=0"], ["train", str(tmp_path / "missing.yaml")]]
+    script = _SCRIPT.replace("ARGVS", repr(argvs))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["codes"].values()) == {2}, result["codes"]
+    assert "torch" not in result["heavy"]  # ~3 s of a 0.4 s answer
+
+
 def test_data_inspect_of_csv_parquet_and_npy_does_not_import_torch(tmp_path: Path) -> None:
     import numpy as np
     import pyarrow as pa

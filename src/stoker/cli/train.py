@@ -64,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     """``stoker train``: train from the config; with ``--nproc``, under torchrun."""
     # Imported here, so that `stoker --help` does not import torch (see stoker.cli.main).
     from stoker.config import load_config
-    from stoker.distributed.launch import inside_torchrun
 
+    # The config first: a mistake in it is reported at once, before torch is imported.
     config = load_config(args.config, [*args.overrides, *run_dir_overrides(args)])
+    from stoker.distributed.launch import inside_torchrun  # imports torch
+
     if args.resume and not args.trust_run_code:
         _refuse_run_dir_code(config, Path(args.resume))
     if args.nproc is not None and not inside_torchrun():
