@@ -121,3 +121,34 @@ def test_another_optimizer_or_model_is_a_named_error_not_a_traceback(
                    lr=0.01, **OPTIONS)  # fmt: skip
     assert "do not fit this model" in str(info.value) and "size mismatch" in str(info.value)
     assert "Error(s) in loading state_dict" not in str(info.value)
+
+
+def _steplr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "user_steplr"])
+def test_a_changed_lr_mid_schedule_follows_the_schedule_from_the_new_base(
+    tmp_path, toy_classification, schedule
+) -> None:
+    """4 steps an epoch; resumed after epoch 1 with a new lr, ended after epoch 2 (step 8).
+
+    The fresh optimizer's lr is the schedule's first value (a warmup's 1/warmup of the
+    base), not the base: read as the base, the new lr was 3x too small here.
+    """
+    options = {**OPTIONS, "schedule": _steplr}
+    expected = 0.002 * 0.5**4
+    if schedule == "warmup_cosine":
+        options = {**OPTIONS, "schedule": "cosine", "warmup_steps": 3, "total_steps": 40}
+        from stoker.config import ScheduleConfig
+        from stoker.train.optim import lr_multiplier
+
+        config = ScheduleConfig(name="cosine", warmup_steps=3, total_steps=40)
+        expected = 0.002 * lr_multiplier(config, total_steps=40, base_lr=0.002)(8)
+    stoker.fit(mlp(), toy_classification, epochs=1, run_dir=tmp_path, lr=0.01, **options)
+    stoker.fit(mlp(), toy_classification, epochs=2, resume=tmp_path, lr=0.002, **options)
+    bundle = load_checkpoint(find_latest(tmp_path / "checkpoints"))
+    (group,) = bundle["optimizer"]["param_groups"]
+    assert bundle["scheduler"]["base_lrs"] == [0.002]
+    assert group["initial_lr"] == 0.002
+    assert group["lr"] == pytest.approx(expected, rel=1e-6)
