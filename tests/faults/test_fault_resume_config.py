@@ -152,3 +152,27 @@ def test_a_changed_lr_mid_schedule_follows_the_schedule_from_the_new_base(
     assert bundle["scheduler"]["base_lrs"] == [0.002]
     assert group["initial_lr"] == 0.002
     assert group["lr"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_docs_table_gives_every_key_its_decision() -> None:
+    """docs/checkpoints.md's table of config changes on resume says what POLICY does."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).parents[2] / "docs" / "checkpoints.md"
+    documented: dict[str, str] = {}
+    for row in docs.read_text().splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if not row.startswith("| `") or len(cells) != 2:
+            continue
+        said = "adjusted" if "with a message" in cells[1] else cells[1].split()[0]
+        for key in re.findall(r"`([^`]+)`", cells[0]):
+            documented[key] = said
+    wrong = []
+    for path in _leaves(RunConfig().to_dict()):
+        # The row naming the key itself, else its nearest section's `section.*` row.
+        names = [".".join(path)] + [".".join(path[:end]) + ".*" for end in range(len(path), 0, -1)]
+        said = next((documented[name] for name in names if name in documented), None)
+        if said != decision(path)[0]:
+            wrong.append(f"{'.'.join(path)}: docs {said}, POLICY {decision(path)[0]}")
+    assert wrong == []
