@@ -176,3 +176,24 @@ def test_the_docs_table_gives_every_key_its_decision() -> None:
         if said != decision(path)[0]:
             wrong.append(f"{'.'.join(path)}: docs {said}, POLICY {decision(path)[0]}")
     assert wrong == []
+
+
+def test_naming_the_sampler_auto_stands_for_is_no_change() -> None:
+    """`auto` is random when shuffling, weighted with weights, else sequential: saying so
+    builds the same sampler, so the resume is exact and is not refused."""
+
+    def loader(**settings: object) -> dict:
+        return RunConfig.model_validate({"loader": settings}).to_dict()
+
+    same = [
+        (loader(shuffle=True), loader(shuffle=True, sampler="random")),
+        (loader(shuffle=False), loader(shuffle=False, sampler="sequential")),
+        (loader(weights=[1.0, 2.0]), loader(weights=[1.0, 2.0], sampler="weighted")),
+        (loader(shuffle=True, sampler="random"), loader(shuffle=True)),
+    ]
+    for saved, current in same:
+        assert config_changes(saved, current).refused == [], (saved["loader"], current)
+    changed = config_changes(loader(shuffle=True), loader(shuffle=True, sampler="bucket"))
+    assert [line.split(" (")[0] for line in changed.refused] == [
+        "loader.sampler: 'auto' in the checkpoint, 'bucket' now"
+    ]

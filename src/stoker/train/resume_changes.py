@@ -132,11 +132,32 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> ConfigChan
     changes = ConfigChanges()
     if not saved:
         return changes
-    for path, before, now in _differences(saved, current):
+    for path, before, now in _differences(_named_sampler(saved), _named_sampler(current)):
+        if path == ("loader", "sampler"):  # as the configs say it
+            before, now = saved["loader"]["sampler"], current["loader"]["sampler"]
         kind, why = decision(path)
         line = f"{'.'.join(path)}: {before!r} in the checkpoint, {now!r} now"
         getattr(changes, kind).append(line if kind == "adjusted" else f"{line} ({why})")
     return changes
+
+
+def _named_sampler(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``loader.sampler: auto`` as the sampler it builds.
+
+    ``auto`` is weighted with weights, random when shuffling, else sequential
+    (``stoker.data.loader_checks``): naming that sampler builds the same one.
+    """
+    loader = config.get("loader")
+    if not isinstance(loader, dict) or loader.get("sampler") != "auto":
+        return config
+    named = (
+        "weighted"
+        if loader.get("weights") is not None
+        else "random"
+        if loader.get("shuffle")
+        else "sequential"
+    )
+    return {**config, "loader": {**loader, "sampler": named}}
 
 
 def _differences(
