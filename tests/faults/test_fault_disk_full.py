@@ -132,6 +132,28 @@ def test_enospc_while_torch_writes_the_state(
     assert_nothing_changed(tmp_path, before, checkpointer)
 
 
+@pytest.mark.skipif(not hasattr(errno, "EDQUOT"), reason="no EDQUOT on this platform")
+def test_a_spent_quota_is_named_with_the_bytes_needed(
+    tmp_path: Path, checkpointer: Checkpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = snapshot(tmp_path)
+
+    def quota_spent(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        f.write(b"\0" * 4096)
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(torch, "save", quota_spent)
+    with pytest.raises(CheckpointError) as info:
+        new_best(checkpointer)
+    monkeypatch.undo()
+    message = info.value.message
+    assert "disk quota exceeded" in message and "(EDQUOT)" in message, message
+    assert "the write needs about 1.1 KiB" in message and "free on the disk" in message
+    assert info.value.hint is not None and "in your quota" in info.value.hint
+    assert "keep_last" in info.value.hint
+    assert_nothing_changed(tmp_path, before, checkpointer)
+
+
 def test_enospc_creating_the_folder(
     tmp_path: Path, checkpointer: Checkpointer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,3 +121,79 @@ def test_another_optimizer_or_model_is_a_named_error_not_a_traceback(
                    lr=0.01, **OPTIONS)  # fmt: skip
     assert "do not fit this model" in str(info.value) and "size mismatch" in str(info.value)
     assert "Error(s) in loading state_dict" not in str(info.value)
+
+
+def _steplr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "user_steplr"])
+def test_a_changed_lr_mid_schedule_follows_the_schedule_from_the_new_base(
+    tmp_path, toy_classification, schedule
+) -> None:
+    """4 steps an epoch; resumed after epoch 1 with a new lr, ended after epoch 2 (step 8).
+
+    The fresh optimizer's lr is the schedule's first value (a warmup's 1/warmup of the
+    base), not the base: read as the base, the new lr was 3x too small here.
+    """
+    options = {**OPTIONS, "schedule": _steplr}
+    expected = 0.002 * 0.5**4
+    if schedule == "warmup_cosine":
+        options = {**OPTIONS, "schedule": "cosine", "warmup_steps": 3, "total_steps": 40}
+        from stoker.config import ScheduleConfig
+        from stoker.train.optim import lr_multiplier
+
+        config = ScheduleConfig(name="cosine", warmup_steps=3, total_steps=40)
+        expected = 0.002 * lr_multiplier(config, total_steps=40, base_lr=0.002)(8)
+    stoker.fit(mlp(), toy_classification, epochs=1, run_dir=tmp_path, lr=0.01, **options)
+    stoker.fit(mlp(), toy_classification, epochs=2, resume=tmp_path, lr=0.002, **options)
+    bundle = load_checkpoint(find_latest(tmp_path / "checkpoints"))
+    (group,) = bundle["optimizer"]["param_groups"]
+    assert bundle["scheduler"]["base_lrs"] == [0.002]
+    assert group["initial_lr"] == 0.002
+    assert group["lr"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_docs_table_gives_every_key_its_decision() -> None:
+    """docs/checkpoints.md's table of config changes on resume says what POLICY does."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).parents[2] / "docs" / "checkpoints.md"
+    documented: dict[str, str] = {}
+    for row in docs.read_text().splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if not row.startswith("| `") or len(cells) != 2:
+            continue
+        said = "adjusted" if "with a message" in cells[1] else cells[1].split()[0]
+        for key in re.findall(r"`([^`]+)`", cells[0]):
+            documented[key] = said
+    wrong = []
+    for path in _leaves(RunConfig().to_dict()):
+        # The row naming the key itself, else its nearest section's `section.*` row.
+        names = [".".join(path)] + [".".join(path[:end]) + ".*" for end in range(len(path), 0, -1)]
+        said = next((documented[name] for name in names if name in documented), None)
+        if said != decision(path)[0]:
+            wrong.append(f"{'.'.join(path)}: docs {said}, POLICY {decision(path)[0]}")
+    assert wrong == []
+
+
+def test_naming_the_sampler_auto_stands_for_is_no_change() -> None:
+    """`auto` is random when shuffling, weighted with weights, else sequential: saying so
+    builds the same sampler, so the resume is exact and is not refused."""
+
+    def loader(**settings: object) -> dict:
+        return RunConfig.model_validate({"loader": settings}).to_dict()
+
+    same = [
+        (loader(shuffle=True), loader(shuffle=True, sampler="random")),
+        (loader(shuffle=False), loader(shuffle=False, sampler="sequential")),
+        (loader(weights=[1.0, 2.0]), loader(weights=[1.0, 2.0], sampler="weighted")),
+        (loader(shuffle=True, sampler="random"), loader(shuffle=True)),
+    ]
+    for saved, current in same:
+        assert config_changes(saved, current).refused == [], (saved["loader"], current)
+    changed = config_changes(loader(shuffle=True), loader(shuffle=True, sampler="bucket"))
+    assert [line.split(" (")[0] for line in changed.refused] == [
+        "loader.sampler: 'auto' in the checkpoint, 'bucket' now"
+    ]

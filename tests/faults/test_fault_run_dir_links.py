@@ -102,3 +102,30 @@ def test_hard_links_and_fifos_are_refused(tmp_path: Path) -> None:
     write_text(tmp_path / "summary.json", "{}")
     assert (tmp_path / "summary.json").read_text() == "{}"
     assert not list(tmp_path.glob(".summary.json.*"))
+
+
+def test_a_link_to_a_file_written_at_the_end_is_refused_before_training(
+    tmp_path: Path, toy_classification: Any
+) -> None:
+    """summary.json and report.html are written when the run ends, bad_records.jsonl at
+    the first bad record: a link planted there stops the resume before its first step,
+    not after hours of training."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 3))
+
+    options = dict(batch_size=128, progress="quiet", tensorboard=False, fingerprint="off")
+    run_dir = tmp_path / "run"
+    stoker.fit(model(), toy_classification, epochs=1, run_dir=run_dir, **options)
+    outside = tmp_path / "outside.txt"
+    outside.write_text(PRECIOUS)
+    trained = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for name in ("summary.json", "report.html", "bad_records.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
+        (run_dir / name).symlink_to(outside)
+        with pytest.raises(RunFileError, match=f"{name} is a symbolic link"):
+            stoker.fit(model(), toy_classification, epochs=2, resume=run_dir, **options)
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == trained
+        assert outside.read_text() == PRECIOUS
+        (run_dir / name).unlink()

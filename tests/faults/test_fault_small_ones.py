@@ -99,3 +99,40 @@ def test_a_second_stop_signal_of_any_kind_stops_at_once() -> None:
         assert stop.signal_name == "SIGHUP"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
+
+
+def test_a_float64_npy_source_trains_as_float32_with_one_note(tmp_path: Path) -> None:
+    """NumPy saves float64 by default; the `npy` source of a run config reads such fields
+    as float32 (a regression target too), where the first step ended in a dtype error."""
+    import numpy as np
+    import torch
+    import yaml
+
+    from stoker.data.memmap import NpyDataset
+    from stoker_cli import run_cli
+
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((64, 4))  # float64
+    np.save(tmp_path / "features.npy", features)
+    np.save(tmp_path / "target.npy", features[:, :1] * 3.0)  # float64 regression target
+    config = {
+        "model": {"name": "mlp", "args": {"in_features": 4, "out_features": 1, "hidden": 8}},
+        "data": {"train": {"name": "npy", "args": {"path": "."}}},
+        "loader": {"batch_size": 16},
+        "loss": {"name": "mse"},
+        "train": {"epochs": 1},
+        "tracking": {"tensorboard": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = run_cli("train", tmp_path / "run.yaml", "--run-dir", tmp_path / "run", "--quiet")
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "float64" in line]
+    assert len(notes) == 1, done.stderr
+    assert "features.npy, target.npy" in notes[0] and "read as float32" in notes[0]
+    assert "float64: keep" in notes[0]
+
+    cast = NpyDataset(tmp_path, float64="float32").__getitems__([3, 1])
+    assert [t.dtype for t in cast] == [torch.float32, torch.float32]
+    assert torch.equal(cast[0], torch.from_numpy(features[[3, 1]].astype(np.float32)))
+    kept = NpyDataset(tmp_path).__getitems__([3, 1])  # Python's default: as stored
+    assert [t.dtype for t in kept] == [torch.float64, torch.float64]

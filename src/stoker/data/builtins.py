@@ -8,7 +8,7 @@ express (a tokenizer, a transform pipeline) are chosen here by name.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from stoker.data.images import ImageFolder, ImageMode
 from stoker.data.memmap import NpyDataset
@@ -34,6 +34,7 @@ def npy(
     *,
     mmap: bool = False,
     max_mapped_mib: int | None = 128,
+    float64: Literal["keep", "float32"] = "float32",
 ) -> NpyDataset:
     """``.npy`` arrays, one file per field: a folder, a {name: file} mapping, or a list.
 
@@ -41,8 +42,10 @@ def npy(
     in a shuffled epoch; ``mmap: true`` maps the files (fastest for sequential reads),
     keeping at most about ``max_mapped_mib`` of them mapped (``null``: no limit, the
     fastest shuffled reads of a file that fits in memory, whose pages then count in RSS).
+    ``float64: float32`` (the default here) reads float64 fields, NumPy's default dtype,
+    as float32, the dtype of the model's weights, with a note; ``keep`` as stored.
     """
-    return NpyDataset(path, mmap=mmap, max_mapped_mib=max_mapped_mib)
+    return NpyDataset(path, mmap=mmap, max_mapped_mib=max_mapped_mib, float64=float64)
 
 
 def parquet(

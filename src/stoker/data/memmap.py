@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import logging
 import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -15,6 +16,8 @@ from torch.utils.data import Dataset
 
 from stoker.data.npy_fields import TARGET_NAMES, NpyFields, _field_paths, _native, _open_npy
 from stoker.errors import ConfigError, DataError
+
+logger = logging.getLogger("stoker")
 
 __all__ = ["TARGET_NAMES", "NpyDataset", "NpyFields"]
 
@@ -131,7 +134,12 @@ class NpyDataset(Dataset[Any]):
     returns_batches = True
 
     def __init__(
-        self, fields: NpyFields, *, mmap: bool = True, max_mapped_mib: int | None = 128
+        self,
+        fields: NpyFields,
+        *,
+        mmap: bool = True,
+        max_mapped_mib: int | None = 128,
+        float64: Literal["keep", "float32"] = "keep",
     ) -> None:
         """Open the fields.
 
@@ -145,6 +153,9 @@ class NpyDataset(Dataset[Any]):
             max_mapped_mib: With ``mmap``, keep at most about this many MiB of the files
                 mapped (see above); None keeps every page read mapped and never reads
                 by position.
+            float64: ``"float32"`` reads float64 fields (NumPy's default dtype) as
+                float32, the dtype of a model's weights, with one note naming the files;
+                ``"keep"`` gives them as stored.
 
         Raises:
             DataError: A missing file or folder, a file that is not a numeric .npy array,
@@ -160,6 +171,11 @@ class NpyDataset(Dataset[Any]):
             raise ConfigError(
                 f"NpyDataset max_mapped_mib must be None or an int >= 0; got {max_mapped_mib!r}.",
                 hint="use e.g. max_mapped_mib=128, or None to keep every read page mapped",
+            )
+        if float64 not in ("keep", "float32"):
+            raise ConfigError(
+                f"NpyDataset float64 must be 'keep' or 'float32'; got {float64!r}.",
+                hint="use float64: float32 to read float64 fields as float32, or keep",
             )
         names, paths = _field_paths(fields)
         # Mapping reads only the headers, so checking every field here is cheap.
@@ -186,6 +202,16 @@ class NpyDataset(Dataset[Any]):
                 )
         self._names = names
         self._paths = paths
+        # Cast per batch, not up front: the files need not fit in memory.
+        self._cast = tuple(float64 == "float32" and a.dtype == np.float64 for a in arrays)
+        if any(self._cast):
+            wide = ", ".join(p.name for p, cast in zip(paths, self._cast, strict=True) if cast)
+            logger.warning(
+                "npy: %s in %s hold float64 (NumPy's default): read as float32, the model's "
+                "dtype (float64: keep reads them as stored)",
+                wide,
+                paths[0].parent,
+            )
         self._length: int = lengths[0]
         self._mmap = bool(mmap)
         self._max_mapped = None if max_mapped_mib is None else max_mapped_mib << 20
@@ -253,12 +279,16 @@ class NpyDataset(Dataset[Any]):
         position = self._names.index(name)
         column = self._fields()[position]
         if not column.flags.c_contiguous:
-            return torch.from_numpy(_native(np.array(column)))
+            return torch.from_numpy(self._as_read(position, _native(np.array(column))))
         # A plain read, whatever the mode, so the column does not stay mapped.
         values = np.fromfile(
             self._paths[position], dtype=column.dtype, count=column.size, offset=column.offset
         )
-        return torch.from_numpy(_native(values.reshape(column.shape)))
+        return torch.from_numpy(self._as_read(position, _native(values.reshape(column.shape))))
+
+    def _as_read(self, field: int, rows: np.ndarray) -> np.ndarray:
+        """``rows`` of ``field`` in the dtype a sample has: float32 for a cast float64 field."""
+        return rows.astype(np.float32) if self._cast[field] else rows
 
     def __len__(self) -> int:
         return self._length
@@ -289,7 +319,7 @@ class NpyDataset(Dataset[Any]):
                 unsorted = np.empty_like(rows)
                 unsorted[order] = rows
                 rows = unsorted
-            batch.append(torch.from_numpy(_native(rows)))
+            batch.append(torch.from_numpy(self._as_read(field, _native(rows))))
         return tuple(batch)
 
     def _read(self, field: int, path: Path, array: np.memmap, idx: np.ndarray) -> np.ndarray:

@@ -132,11 +132,32 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> ConfigChan
     changes = ConfigChanges()
     if not saved:
         return changes
-    for path, before, now in _differences(saved, current):
+    for path, before, now in _differences(_named_sampler(saved), _named_sampler(current)):
+        if path == ("loader", "sampler"):  # as the configs say it
+            before, now = saved["loader"]["sampler"], current["loader"]["sampler"]
         kind, why = decision(path)
         line = f"{'.'.join(path)}: {before!r} in the checkpoint, {now!r} now"
         getattr(changes, kind).append(line if kind == "adjusted" else f"{line} ({why})")
     return changes
+
+
+def _named_sampler(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``loader.sampler: auto`` as the sampler it builds.
+
+    ``auto`` is weighted with weights, random when shuffling, else sequential
+    (``stoker.data.loader_checks``): naming that sampler builds the same one.
+    """
+    loader = config.get("loader")
+    if not isinstance(loader, dict) or loader.get("sampler") != "auto":
+        return config
+    named = (
+        "weighted"
+        if loader.get("weights") is not None
+        else "random"
+        if loader.get("shuffle")
+        else "sequential"
+    )
+    return {**config, "loader": {**loader, "sampler": named}}
 
 
 def _differences(
@@ -160,8 +181,15 @@ def _plain(value: Any) -> Any:
 
 
 def fresh_hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[float, Any]]:
-    """Each param group's lr and weight decay as built from the current config."""
-    return [(group["lr"], group.get("weight_decay")) for group in optimizer.param_groups]
+    """Each param group's base lr and weight decay as built from the current config.
+
+    The base lr is ``initial_lr``: building the schedule already set ``lr`` to its first
+    value (a warmup's ``1/warmup_steps`` of the base), which is not the lr configured.
+    """
+    return [
+        (group.get("initial_lr", group["lr"]), group.get("weight_decay"))
+        for group in optimizer.param_groups
+    ]
 
 
 def apply_hyperparameters(
@@ -177,7 +205,9 @@ def apply_hyperparameters(
     ``optimizer.load_state_dict`` brought back the checkpoint's values; ``fresh`` holds
     what the current config built. The lr goes into the schedule's base (``base_lrs``,
     ``initial_lr``) and each group's current lr is the new base times the schedule's
-    factor at the step reached, as if the run had started with it.
+    factor at the step reached, as if the run had started with it: the LambdaLR's factor
+    at that step, or for another scheduler (a user's StepLR, which scales the lr it
+    finds at each step) the loaded lr scaled by new base / old base.
 
     Returns:
         One message per applied change (empty when nothing changed).
@@ -188,8 +218,14 @@ def apply_hyperparameters(
         lambdas = getattr(scheduler, "lr_lambdas", None)
         step = getattr(scheduler, "last_epoch", 0)
         for index, (group, (lr, _)) in enumerate(zip(optimizer.param_groups, fresh, strict=True)):
+            before = group.get("initial_lr")
+            if lambdas:
+                group["lr"] = lr * lambdas[index](step)
+            elif before:
+                group["lr"] = group["lr"] * (lr / before)
+            else:
+                group["lr"] = lr
             group["initial_lr"] = lr
-            group["lr"] = lr * (lambdas[index](step) if lambdas else 1.0)
         # Through the scheduler's own state dict: its base lrs and the lr it reports.
         schedule = scheduler.state_dict()
         schedule["base_lrs"] = [lr for lr, _ in fresh]

@@ -42,7 +42,7 @@ from stoker.observe.sinks import NullSink, build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
 from stoker.observe.verdict import run_summary, summary_lines
-from stoker.safe_files import write_text
+from stoker.safe_files import check_not_link, write_text
 from stoker.train.callbacks import Callbacks
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
@@ -66,6 +66,16 @@ from stoker.train.test_split import TestSplit
 from stoker.train.threads import loader_workers, use_threads
 
 logger = logging.getLogger("stoker")
+
+#: The files a run writes in its run dir (and bad_records.jsonl, named per rank).
+_RUN_FILES = (
+    "config.yaml",
+    "data_fingerprint.json",
+    "metrics.jsonl",
+    "environment.json",
+    "summary.json",
+    "report.html",
+)
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,10 @@ def _train_run(
         )
     checkpointer = None
     if dist.is_main:
+        # Every file written here later, some only at the run's end: a planted link is
+        # refused now, before the run trains (safe_files refuses it again when written).
+        for name in (*_RUN_FILES, _per_rank("bad_records.jsonl", dist)):
+            check_not_link(run_dir / name)
         checkpointer = Checkpointer(
             run_dir / "checkpoints",
             keep_last=config.checkpoint.keep_last,
