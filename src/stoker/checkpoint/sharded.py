@@ -8,11 +8,18 @@ the usual one: written under a temporary name, renamed whole, with a manifest an
 completion marker. ``state.pt`` (hashed by the manifest) lists every shard file with its
 size and SHA-256, so a damaged shard is named before anything is loaded, and the chain
 marker → manifest → state.pt → shards covers every byte.
+
+With ``checkpoint.async_save`` the shards are written by ``dcp.async_save``: it copies
+each rank's shards to CPU memory before returning (so the next optimizer step cannot
+change what is written) and writes them in a background thread; :func:`shards_written`
+waits for that. The rest of the checkpoint (state.pt, manifest, marker) is written only
+after, so an unfinished write is never a checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,8 @@ __all__ = [
     "is_sharded_entry",
     "list_shards",
     "read_shards",
+    "shards_written",
+    "start_writing_shards",
     "write_shards",
 ]
 
@@ -51,7 +60,55 @@ def write_shards(folder: Path, state: dict[str, Any]) -> None:
     # process would pay at start (the loop imports this module) for FSDP runs only.
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=folder / SHARDS_DIR)
+    try:
+        dcp.save(state, checkpoint_id=folder / SHARDS_DIR)
+    except dcp.CheckpointException as exc:
+        raise _write_failure(exc) from exc
+
+
+def start_writing_shards(folder: Path, state: dict[str, Any], *, group: Any) -> Future:
+    """:func:`write_shards` in the background: returns once ``state`` is copied to CPU.
+
+    A collective, as :func:`write_shards`, but its cross-rank messages go over ``group``
+    (a gloo group of its own: the writing thread must not interleave its messages with
+    the training's on the default group). Pass the future to :func:`shards_written`.
+    """
+    import torch.distributed.checkpoint as dcp  # only FSDP runs need it (see write_shards)
+
+    future = dcp.async_save(state, checkpoint_id=folder / SHARDS_DIR, process_group=group)
+    assert isinstance(future, Future), "the default stager copies before async_save returns"
+    return future
+
+
+def shards_written(future: Future) -> None:
+    """Waits until every rank wrote its shards (DCP's write ends with a collective).
+
+    Raises:
+        OSError: A rank could not write (a full disk, a read-only file system), as
+            :func:`write_shards` raises it.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        future.result()
+    except dcp.CheckpointException as exc:
+        raise _write_failure(exc) from exc
+
+
+def _write_failure(exc: BaseException) -> Exception:
+    """The error behind DCP's ``CheckpointException`` (which is no ``Exception``, and lists
+    every rank's failure with its traceback): the first rank's OSError, so a full disk is
+    named as one, else a RuntimeError naming the rank and what went wrong."""
+    failures = sorted((getattr(exc, "failures", None) or {}).items())
+    for _rank, (error, _trace) in failures:
+        if isinstance(error, OSError):
+            return error
+    if failures:
+        rank, (error, _trace) = failures[0]
+        return RuntimeError(
+            f"rank {rank} could not write its shard: {type(error).__name__}: {error}"
+        )
+    return RuntimeError(f"writing the shards failed: {exc!r}")
 
 
 def list_shards(folder: Path) -> dict[str, dict[str, Any]]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +29,7 @@ from stoker.checkpoint.layout import (
 )
 from stoker.checkpoint.lock import FolderLock
 from stoker.checkpoint.manifest import write_checkpoint_files
+from stoker.checkpoint.renames import PointerBackup, remove_folder
 from stoker.errors import CheckpointError
 
 __all__ = ["STATE_KEY", "Checkpointer"]
@@ -37,55 +40,6 @@ logger = logging.getLogger(__name__)
 STATE_KEY = "checkpointer"
 _STATE_FIELDS = ("monitor", "mode", "best_value", "best_epoch", "best_step")
 _PLAIN_DATA = "tensors and plain data (dict, list, tuple, str, int, float, bool, None)"
-
-
-def _remove(path: Path) -> None:
-    """Removes a checkpoint folder (or a symlink, never what it points to) all at once.
-
-    The folder is first renamed to a ``.tmp-`` name, so a crash mid-removal never leaves a
-    half-deleted checkpoint under its real name; the next save clears the rest.
-    """
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-        return
-    doomed = path.with_name(f"{TEMP_PREFIX}del-{path.name}-{secrets.token_hex(4)}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed)
-
-
-class _PointerBackup:
-    """The old content of a pointer file, to put back if a save fails after replacing it."""
-
-    def __init__(self, target: Path) -> None:
-        self.target = target
-        self.link: Path | None = None
-        self.data: bytes | None = None
-        if not target.exists():
-            return
-        link = target.with_name(f"{TEMP_PREFIX}bak-{target.name}-{secrets.token_hex(4)}")
-        try:
-            # A hard link restores by rename, which needs no free space.
-            os.link(target, link)
-            self.link = link
-        except OSError:
-            self.data = target.read_bytes()
-
-    def restore(self) -> None:
-        if self.link is not None:
-            os.replace(self.link, self.target)
-            # rename() does nothing when both names are links to one file: drop the extra.
-            self.link.unlink(missing_ok=True)
-            self.link = None
-        elif self.data is not None:
-            temp = self.target.with_name(f"{TEMP_PREFIX}{secrets.token_hex(4)}")
-            write_durable(temp, self.data)
-            os.replace(temp, self.target)
-        else:
-            self.target.unlink(missing_ok=True)
-
-    def discard(self) -> None:
-        if self.link is not None:
-            self.link.unlink(missing_ok=True)
 
 
 class Checkpointer:
@@ -159,9 +113,18 @@ class Checkpointer:
         self._best_epoch: int | None = None
         self._best_step: int | None = None
         self._best_name: str | None = None
+        self._pending: _Pending | None = None
 
     def close(self) -> None:
-        """Releases the folder's lock; the Checkpointer cannot save afterwards."""
+        """Releases the folder's lock; the Checkpointer cannot save afterwards.
+
+        A pending asynchronous save is finished first; its failure is only logged here
+        (close runs on the way out of errors too): call :meth:`wait` to have it raised.
+        """
+        try:
+            self.wait()
+        except BaseException as exc:
+            logger.warning("the last checkpoint was not saved: %s", exc)
         self._closed = True
         self._lock.release()
 
@@ -233,7 +196,8 @@ class Checkpointer:
         epoch: int,
         step: int,
         metrics: Mapping[str, Any] | None = None,
-        write_first: Callable[[Path, str], Mapping[str, Any]] | None = None,
+        write_first: Callable[[Path, str], Mapping[str, Any] | Callable[[], Mapping[str, Any]]]
+        | None = None,
     ) -> Path:
         """Writes a checkpoint folder, points last.json (and best.json) at it, rotates.
 
@@ -248,9 +212,15 @@ class Checkpointer:
             write_first: Called as ``write_first(temp_folder, final_name)`` before
                 state.pt is written (every rank's weight shards, see
                 :mod:`stoker.checkpoint.sharded`); what it returns is added to the state.
+                If it returns a callable instead (the shards are still being written),
+                the save finishes in a background thread: the callable waits for them and
+                returns the entries, then state.pt, manifest and marker are written (a
+                copy of ``state`` as it is now) and pointers and rotation follow. Training
+                goes on meanwhile; :meth:`wait` (or the next save, or :meth:`close`)
+                waits for it.
 
         Returns:
-            The checkpoint folder written.
+            The checkpoint folder written (or, deferred, that will be once finished).
 
         Raises:
             CheckpointError: The monitored metric is missing, the Checkpointer is closed, or
@@ -262,6 +232,7 @@ class Checkpointer:
                 f"This Checkpointer for {self._directory} is closed.",
                 hint="create a new Checkpointer to save again",
             )
+        self.wait()  # the previous save is a checkpoint (or an error) before this one starts
         for name, number in (("epoch", epoch), ("step", step)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 0:
                 raise CheckpointError(
@@ -298,34 +269,78 @@ class Checkpointer:
                 "step": self._best_step,
             }
         temp = self._directory / f"{TEMP_PREFIX}{name}-{secrets.token_hex(4)}"
+        best = (value, epoch, step, name) if is_best else None
+        files = {"sequence": sequence, "epoch": epoch, "step": step, "metrics": metrics or {}}
         try:
             os.mkdir(temp)
             extra = write_first(temp, name) if write_first is not None else {}
-            write_checkpoint_files(
-                temp,
-                {**state, **extra, STATE_KEY: after},
-                sequence=sequence,
-                epoch=epoch,
-                step=step,
-                metrics=metrics or {},
+        except BaseException as exc:
+            self._raise(temp, final, state, exc)
+        if callable(extra):  # the shards are still being written: finish in the background
+            state = {**copy.deepcopy(dict(state)), STATE_KEY: after}  # as it is now
+            self._pending = _Pending(
+                final, lambda: self._finish(temp, final, state, extra, files, pointers, best)
             )
+            return final
+        self._finish(temp, final, {**state, STATE_KEY: after}, extra, files, pointers, best)
+        return final
+
+    def _finish(
+        self,
+        temp: Path,
+        final: Path,
+        state: Mapping[str, Any],
+        extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        files: dict[str, Any],
+        pointers: Mapping[Pointer, dict[str, Any]],
+        best: tuple[float, int, int, str] | None,
+    ) -> None:
+        """state.pt, manifest and marker into ``temp``, renamed to ``final``; then rotation.
+
+        A callable ``extra`` waits for the shards being written and returns the entries.
+        """
+        try:
+            extra = extra() if callable(extra) else extra
+            write_checkpoint_files(temp, {**state, **extra}, **files)
             self._commit(temp, final, pointers)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(temp)
-            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-                raise
-            if isinstance(exc, OSError):
-                raise os_error(final, "checkpoint", exc, needed=state_bytes(state)) from exc
-            raise CheckpointError(
-                f"Could not write checkpoint {final}: {type(exc).__name__}: {exc}",
-                hint=f"save only {_PLAIN_DATA}",
-            ) from exc
-        if is_best:
-            self._best_value, self._best_epoch, self._best_step = value, epoch, step
-            self._best_name = name
+            self._raise(temp, final, state, exc)
+        if best is not None:
+            self._best_value, self._best_epoch, self._best_step, self._best_name = best
         self._rotate(keep=final)
-        return final
+
+    def _raise(self, temp: Path, final: Path, state: Mapping[str, Any], exc: BaseException):
+        """Removes what a failed save wrote and raises its error, for people."""
+        with contextlib.suppress(OSError):
+            shutil.rmtree(temp)
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            raise exc
+        if isinstance(exc, OSError):
+            raise os_error(final, "checkpoint", exc, needed=state_bytes(state)) from exc
+        raise CheckpointError(
+            f"Could not write checkpoint {final}: {type(exc).__name__}: {exc}",
+            hint=f"save only {_PLAIN_DATA}",
+        ) from exc
+
+    @property
+    def pending(self) -> Path | None:
+        """The checkpoint an asynchronous save is still writing, or None."""
+        return self._pending.final if self._pending is not None else None
+
+    def wait(self) -> Path | None:
+        """Waits for the pending asynchronous save; returns its checkpoint (None: none).
+
+        Raises:
+            CheckpointError: It failed (a full disk…): nothing of it is left, no pointer
+                moved, nothing rotated, as after a failed :meth:`save`.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        return pending.final
 
     def _best_pointer_is_stale(self) -> bool:
         if not self._tracks_best() or self._best_name is None:
@@ -341,7 +356,7 @@ class Checkpointer:
     def _commit(self, temp: Path, final: Path, pointers: Mapping[Pointer, dict[str, Any]]) -> None:
         """Renames ``temp`` to ``final`` and replaces the pointer files, all or nothing."""
         prepared: list[tuple[Path, Path]] = []
-        backups: list[_PointerBackup] = []
+        backups: list[PointerBackup] = []
         moved = False
         replaced = 0
         try:
@@ -351,7 +366,7 @@ class Checkpointer:
                 prepared.append((staged, target))
                 write_durable(staged, (json.dumps(content, indent=2) + "\n").encode())
             for _, target in prepared:
-                backups.append(_PointerBackup(target))
+                backups.append(PointerBackup(target))
             os.rename(temp, final)
             moved = True
             for staged, target in prepared:
@@ -372,7 +387,7 @@ class Checkpointer:
         temp: Path,
         final: Path | None,
         prepared: list[tuple[Path, Path]],
-        backups: list[_PointerBackup],
+        backups: list[PointerBackup],
     ) -> None:
         try:
             for backup in backups:
@@ -408,7 +423,7 @@ class Checkpointer:
             doomed.append(path)
         for path in doomed:
             try:
-                _remove(path)
+                remove_folder(path)
             except OSError as exc:
                 # The new checkpoint is safe; an old one that will not go is worth a warning,
                 # not a failed save.
@@ -465,6 +480,24 @@ class Checkpointer:
         # so a crafted state cannot make rotation keep (or name) a path outside the folder.
         name = state.get("best_checkpoint")
         self._best_name = name if is_checkpoint_name(name) else None
+
+
+class _Pending:
+    """An asynchronous save, finishing in a thread of its own (:meth:`Checkpointer.wait`)."""
+
+    def __init__(self, final: Path, finish: Callable[[], None]) -> None:
+        self.final = final
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(finish,), name=f"stoker-save-{final.name}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except BaseException as exc:  # raised by wait(), in the thread that trains
+            self.error = exc
 
 
 def _is_checkpointer_state(value: object) -> bool:

@@ -502,3 +502,55 @@ def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path: Path) -> No
 
     with Checkpointer(tmp_path):
         assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+
+
+def test_a_deferred_save_is_a_checkpoint_only_after_its_shards_and_marker(tmp_path):
+    # write_first returning a callable: the shards are still being written (async_save).
+    # The checkpoint is finished in the background; the caller's state may change meanwhile.
+    import threading
+
+    written = threading.Event()
+
+    def write_first(temp, name):
+        def finish():
+            assert written.wait(10)
+            (temp / "shard").write_bytes(b"weights")
+            return {"shard_files": ["shard"]}
+
+        return finish
+
+    ckpt = Checkpointer(tmp_path, keep_last=1, monitor=None)
+    ckpt.save(state_for(1), epoch=1, step=1)
+    state = state_for(2)
+    path = ckpt.save(state, epoch=2, step=2, write_first=write_first)
+    assert ckpt.pending == path
+    state["w"].add_(100)  # the next optimizer step, before the save finished
+    assert not (path / "COMPLETE").exists() and find_latest(tmp_path) == tmp_path / name(1)
+    written.set()
+    assert ckpt.wait() == path and ckpt.pending is None and ckpt.wait() is None
+    assert saved_epoch(path) == 2  # the state as it was at save(), not after the step
+    assert load_checkpoint(path)["shard_files"] == ["shard"]
+    assert find_latest(tmp_path) == path and listing(tmp_path).count(name(1)) == 0  # rotated
+    ckpt.close()
+
+
+def test_a_failed_deferred_save_raises_at_wait_and_leaves_nothing(tmp_path):
+    import errno
+
+    def write_first(temp, name):
+        def finish():
+            (temp / "shard").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return finish
+
+    ckpt = Checkpointer(tmp_path, keep_last=1, monitor=None)
+    first = ckpt.save(state_for(1), epoch=1, step=1)
+    ckpt.save(state_for(2), epoch=2, step=2, write_first=write_first)
+    with pytest.raises(CheckpointError, match="disk full"):
+        ckpt.wait()
+    assert find_latest(tmp_path) == first and listing(tmp_path) == [".lock", "last.json", name(1)]
+    # close() finishes a pending save too, logging (not raising) its failure.
+    ckpt.save(state_for(3), epoch=3, step=3, write_first=write_first)
+    ckpt.close()
+    assert find_latest(tmp_path) == first
