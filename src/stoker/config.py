@@ -424,6 +424,11 @@ class CheckpointConfig(Section):
     keep_best: bool = Field(
         True, description="Also keep the best checkpoint (`best.json`) by the monitored metric."
     )
+    async_save: bool = Field(
+        False,
+        description="FSDP: write the shards in the background; the step waits only for "
+        "their copy to CPU memory, and the checkpoint counts once written (its marker).",
+    )
 
 
 class TrackingConfig(Section):

@@ -9,6 +9,7 @@ Faults are chosen by environment variables, so one config serves every test:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -88,3 +89,52 @@ def uneven_stream() -> IterableDataset:
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+
+
+class WatchSaves:
+    """Asynchronous checkpoint saves, watched (test_fsdp.py).
+
+    Every rank's shard write is slowed by ``slow_s`` (so that steps run while it goes on),
+    and at each step's end rank 0 checks that every checkpoint with a marker verifies,
+    its shards included, and counts the steps that ended while a save was unmarked.
+    ``report`` gets ``{"verified": [names], "steps": n}`` at the end.
+    """
+
+    def __init__(self, checkpoints: str, report: str, slow_s: float = 0.5) -> None:
+        self.checkpoints, self.report, self.slow_s = checkpoints, report, slow_s
+        self.verified: set[str] = set()
+        self.steps_while_writing = 0
+
+    def on_train_start(self, loop) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write, slow_s = FileSystemWriter.write_data, self.slow_s
+
+        def slow_write(writer, plan, planner):
+            time.sleep(slow_s)
+            return write(writer, plan, planner)
+
+        FileSystemWriter.write_data = slow_write  # this run's processes only
+
+    def on_step_end(self, loop, step) -> None:
+        if os.environ.get("RANK") != "0":
+            return
+        from pathlib import Path
+
+        from stoker.checkpoint import load_checkpoint
+        from stoker.checkpoint.sharded import check_shards
+
+        folder = Path(self.checkpoints)
+        for marker in folder.glob("step-*/COMPLETE"):  # not the .tmp- one being renamed
+            if marker.parent.name not in self.verified:
+                files = load_checkpoint(marker.parent)["model"]["sharded_weights"]["files"]
+                assert check_shards(marker.parent, files, part=(0, 1)) is None, marker
+                self.verified.add(marker.parent.name)
+        writing = [p for p in folder.glob(".tmp-step-*") if (p / "shards").is_dir()]
+        self.steps_while_writing += bool(writing)
+
+    def on_train_end(self, loop) -> None:
+        if os.environ.get("RANK") == "0":
+            summary = {"verified": sorted(self.verified), "steps": self.steps_while_writing}
+            with open(self.report, "w") as out:
+                json.dump(summary, out)

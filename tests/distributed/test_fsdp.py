@@ -7,10 +7,13 @@ in test_equivalence.py: a DDP run here as well would cost a third launch of proc
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from stoker.checkpoint import DamagedCheckpointError, load_checkpoint
@@ -25,9 +28,20 @@ def test_fsdp_trains_like_one_process_and_exports_whole_weights(write_config, ru
         train={"epochs": 2, "grad_accum_steps": 2},
         checkpoint={"enabled": True, "every_steps": 3, "keep_last": 10},
     )
+    # The sharded run saves asynchronously (checkpoint.async_save); case.py's WatchSaves
+    # slows each shard write by 0.5 s and checks at every step that each checkpoint with
+    # a marker is whole, its shards included.
+    watched, report = tmp_path / "async.yaml", tmp_path / "watch.json"
+    spec = yaml.safe_load(config.read_text())
+    spec["checkpoint"]["async_save"] = True
+    args = {"checkpoints": str(tmp_path / "fsdp" / "checkpoints"), "report": str(report)}
+    spec["callbacks"] = [
+        {"name": f"{Path(__file__).with_name('case.py')}:WatchSaves", "args": args}
+    ]
+    watched.write_text(yaml.safe_dump(spec))
     result = run_stoker(
         "train",
-        str(config),
+        str(watched),
         "distributed.strategy=fsdp",
         "--nproc",
         "2",
@@ -58,9 +72,16 @@ def test_fsdp_trains_like_one_process_and_exports_whole_weights(write_config, ru
     files = state["model"]["sharded_weights"]["files"]
     assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not any(isinstance(v, torch.Tensor) for v in state["model"].values())
+    # Steps ran while a save was written (a synchronous save blocks them: 0), a marked
+    # checkpoint was whole whenever looked at (step 2's at step 4, at least: the save at
+    # step 3 waited for it), and the save pending at the end was finished (step 4's).
+    watch = json.loads(report.read_text())
+    assert watch["steps"] >= 1 and "step-00000002" in watch["verified"]
+    assert [f.name for f in folders] == ["step-00000002", "step-00000003", "step-00000004"]
 
     # Resumed on 2 processes from the mid-epoch checkpoint (the later ones taken away),
-    # the run ends with the weights of the uninterrupted one, bit for bit.
+    # the run (saving synchronously) ends with the weights of the uninterrupted one, bit
+    # for bit: the asynchronous saves wrote the state of their step, not a later one.
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "fsdp", resumed)
     mid = next(f for f in folders if load_checkpoint(f)["in_epoch"] is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from stoker.checkpoint.io import os_error
 from stoker.checkpoint.manifest import DamagedCheckpointError
 from stoker.checkpoint.sharded import (
     SHARDED,
@@ -32,8 +34,11 @@ from stoker.checkpoint.sharded import (
     is_sharded_entry,
     list_shards,
     read_shards,
+    shards_written,
+    start_writing_shards,
     write_shards,
 )
+from stoker.errors import CheckpointError
 
 _WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -90,11 +95,21 @@ class ShardedWeights:
     of whole dicts (written before sharded checkpoints) still loads.
     """
 
-    def __init__(self, dist: Any = None, *, checkpoints: Path | None = None) -> None:
+    def __init__(
+        self, dist: Any = None, *, checkpoints: Path | None = None, async_save: bool = False
+    ) -> None:
         """``dist``: the run's Distributed (its collectives); ``checkpoints``: the folder
-        a resumed bundle's shards are read from."""
+        a resumed bundle's shards are read from; ``async_save``: write the shards in the
+        background (``checkpoint.async_save``), the step waits only for their CPU copy."""
         self.dist = dist
         self.checkpoints = checkpoints
+        self.async_save = async_save
+        self._writing: tuple[Path, Future] | None = None  # this rank's shards, being written
+
+    @property
+    def pending(self) -> bool:
+        """Whether an asynchronous save is under way (on every rank alike)."""
+        return self._writing is not None
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """Stand-ins: the shards are written by :meth:`write_first` during the save."""
@@ -102,21 +117,76 @@ class ShardedWeights:
 
     def write_first(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> Callable[[Path, str], dict[str, Any]]:
-        """Rank 0's part of a save: tell the ranks the folder, write with them, list it."""
+    ) -> Callable[[Path, str], Any]:
+        """Rank 0's part of a save: tell the ranks the folder, write with them, list it.
 
-        def write(temp: Path, name: str) -> dict[str, Any]:
-            self.dist.broadcast(str(temp))
-            write_shards(temp, _sharded_state(model, optimizer))
+        Asynchronously, the checkpoint gets a callable instead of the listing: it waits
+        for every rank's shards (in the checkpointer's thread), then lists them.
+        """
+
+        def entries(temp: Path, name: str) -> dict[str, Any]:
             entry = {SHARDED: {"checkpoint": name, "files": list_shards(temp)}}
             return {"model": entry, "optimizer": {SHARDED: {"checkpoint": name}}}
+
+        def write(temp: Path, name: str) -> Any:
+            self.dist.broadcast(str(temp))
+            if not self._write(temp, model, optimizer):
+                return entries(temp, name)
+            future = self._writing[1]  # type: ignore[index]
+
+            def written() -> dict[str, Any]:
+                shards_written(future)
+                return entries(temp, name)
+
+            return written
 
         return write
 
     def join_write(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The other ranks' part of a save: write their shards where rank 0 says."""
-        temp = self.dist.broadcast(None)
-        write_shards(Path(temp), _sharded_state(model, optimizer))
+        self._write(Path(self.dist.broadcast(None)), model, optimizer)
+
+    def _write(self, temp: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Writes this rank's shards into ``temp``; True if they are still being written."""
+        state = _sharded_state(model, optimizer)
+        if not self.async_save:
+            write_shards(temp, state)
+            return False
+        self._writing = temp, start_writing_shards(temp, state, group=self.dist.save_group())
+        return True
+
+    def settle(self, checkpointer: Any = None) -> Path | None:
+        """Finishes the pending asynchronous save on every rank (a collective).
+
+        Rank 0 passes its Checkpointer, whose thread waits for the shards and then writes
+        state.pt, manifest and marker; the other ranks wait for their own shards. Returns
+        the checkpoint now complete (rank 0), or None.
+
+        Raises:
+            CheckpointError: The save failed on some rank: every rank raises the first
+                rank's error (a full disk named as one); no marker was written.
+        """
+        if self._writing is None:
+            return None
+        (temp, future), self._writing = self._writing, None
+        path = problem = None
+        try:
+            if checkpointer is not None:
+                path = checkpointer.wait()
+            else:
+                shards_written(future)
+        except CheckpointError as exc:
+            problem = (exc.message, exc.hint)
+        except OSError as exc:
+            error = os_error(temp / "shards", "checkpoint shards", exc)
+            problem = (error.message, error.hint)
+        except Exception as exc:
+            problem = (f"Could not write checkpoint shards: {type(exc).__name__}: {exc}", None)
+        problems = [p for p in self.dist.all_gather(problem) if p]
+        if problems:
+            message, hint = problems[0]
+            raise CheckpointError(message, hint=hint)
+        return path
 
     def export_state(self, model: nn.Module) -> dict:
         """The whole weights alone, for ``model.safetensors`` (a collective)."""

@@ -38,6 +38,7 @@ class Distributed:
         self.timeout_s = timeout_s
         self.backend = backend
         self.control: Any = None  # the gloo group for control messages
+        self.saves: Any = None  # the gloo group of asynchronous checkpoint writes, once made
         self.owns_group = False  # whether start() made the default group (and so ends it)
 
     @property
@@ -95,8 +96,20 @@ class Distributed:
             return
         if self.owns_group:
             dist.destroy_process_group()
-        elif self.control is not None:
-            dist.destroy_process_group(self.control)
+            return
+        for group in (self.control, self.saves):
+            if group is not None:
+                dist.destroy_process_group(group)
+
+    def save_group(self) -> Any:
+        """The gloo group asynchronous checkpoint writes talk over (made at the first).
+
+        Their messages come from a background thread while training's go on: on a group
+        of their own the two never interleave. A collective (every rank asks at once).
+        """
+        if self.saves is None:
+            self.saves = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        return self.saves
 
     # --- collectives ----------------------------------------------------------------------
 
@@ -173,13 +186,24 @@ class Distributed:
             find_unused_parameters=config.find_unused_parameters,
         )
 
-    def weights_io(self, config: DistributedConfig, *, checkpoints: Path | None = None) -> Any:
+    def weights_io(
+        self,
+        config: DistributedConfig,
+        *,
+        checkpoints: Path | None = None,
+        async_save: bool = False,
+    ) -> Any:
         """How checkpoints write and load the weights: each rank its shard under FSDP
-        (read back from the ``checkpoints`` folder)."""
+        (read back from the ``checkpoints`` folder; in the background with ``async_save``)."""
         if self.enabled and config.strategy == "fsdp":
             from stoker.distributed.fsdp import ShardedWeights
 
-            return ShardedWeights(self, checkpoints=checkpoints)
+            return ShardedWeights(self, checkpoints=checkpoints, async_save=async_save)
+        if async_save:
+            logger.warning(
+                "checkpoint.async_save applies to FSDP runs only (distributed.strategy=fsdp "
+                "on 2 or more processes); this run saves its checkpoints synchronously"
+            )
         from stoker.train.resume import PlainWeights
 
         return PlainWeights()

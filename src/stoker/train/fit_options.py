@@ -259,6 +259,11 @@ class FitOptions(TypedDict, total=False):
     """Also keep the best checkpoint (`best.json`) by the monitored metric. Sets
     ``checkpoint.keep_best``; default ``True``."""
 
+    async_save: bool
+    """FSDP: write the shards in the background; the step waits only for their copy to CPU
+    memory, and the checkpoint counts once written (its marker). Sets
+    ``checkpoint.async_save``; default ``False``."""
+
     run_dir: str | os.PathLike[str] | None
     """Defaults to `<runs_root>/<name>-<timestamp>`. Sets ``tracking.run_dir``; default ``None``."""
 

@@ -78,7 +78,10 @@ class Restored:
 
 
 def checkpoint_rollback(
-    directory: Path, restore: Callable[[dict[str, Any]], tuple[list[dict[str, Any]], Any]]
+    directory: Path,
+    restore: Callable[[dict[str, Any]], tuple[list[dict[str, Any]], Any]],
+    *,
+    before: Callable[[], None] | None = None,
 ) -> Callable[[], Restored | None]:
     """The ``Loop.rollback`` callback: restore the newest checkpoint that verifies.
 
@@ -86,12 +89,16 @@ def checkpoint_rollback(
         directory: The run's checkpoints folder (or its run dir).
         restore: Loads a checkpoint bundle into the run's parts and returns
             ``(history, in-epoch progress)`` (``ResumableParts.restore``).
+        before: Called first: finishes a save still being written (``async_save``), so
+            that it is the newest checkpoint on every rank alike.
 
     Returns:
         A callable returning what it restored, or None when there is no checkpoint yet.
     """
 
     def rollback() -> Restored | None:
+        if before is not None:
+            before()
         found, damaged = find_latest_valid(directory)
         for folder, reason in damaged:
             logger.warning("checkpoint %s is damaged (%s); rolling back past it", folder, reason)

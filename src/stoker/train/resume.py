@@ -62,6 +62,12 @@ class PlainWeights:
     def join_write(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Nothing for the ranks that do not write the checkpoint."""
 
+    #: No save is ever under way: state.pt is written whole, before save() returns.
+    pending = False
+
+    def settle(self, checkpointer: Checkpointer | None = None) -> None:
+        """Nothing to wait for (see ``ShardedWeights.settle``)."""
+
     def export_state(self, model: nn.Module) -> dict | None:
         """The weights to export, when the model's own state dict is not whole: None."""
         return None

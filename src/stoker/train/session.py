@@ -249,7 +249,11 @@ def _train_run(
         train_loader=train_loader,
         config=config.to_dict(),
         fingerprint=fingerprint,
-        weights=dist.weights_io(config.distributed, checkpoints=run_dir / "checkpoints"),
+        weights=dist.weights_io(
+            config.distributed,
+            checkpoints=run_dir / "checkpoints",
+            async_save=config.checkpoint.async_save,
+        ),
         callbacks=callbacks,
     )
     history: list[dict[str, Any]] = []
@@ -301,6 +305,7 @@ def _train_run(
     def save(
         loop: Loop, *, epoch: int, metrics: dict[str, Any] | None, in_epoch: dict[str, Any] | None
     ) -> None:
+        settle_save(loop)  # the previous one, if still being written (async_save)
         # Every rank hands rank 0 its RNG states and loader position (a collective),
         # and under FSDP its shard of the weights.
         weights = parts.weights.state(model, optimizer)
@@ -314,9 +319,20 @@ def _train_run(
                     metrics=metrics,
                     write_first=parts.weights.write_first(model, optimizer),
                 )
-            callbacks.call("on_checkpoint", loop, path)
+            if not parts.weights.pending:
+                callbacks.call("on_checkpoint", loop, path)
         else:
             parts.weights.join_write(model, optimizer)  # FSDP: each rank writes its shard
+
+    def settle_save(loop: Loop) -> None:
+        # FSDP with checkpoint.async_save: the save still being written becomes a
+        # checkpoint (or an error on every rank) before the next save, a rollback, and
+        # the end of the run, stopped or not. Training went on while it was written.
+        if parts.weights.pending:
+            with watchdog.paused():
+                path = parts.weights.settle(checkpointer)
+            if path is not None:
+                callbacks.call("on_checkpoint", loop, path)
 
     def save_checkpoint(loop: Loop, record: dict[str, Any]) -> None:
         if config.checkpoint.enabled:
@@ -369,7 +385,9 @@ def _train_run(
         resume_in_epoch=in_epoch,
         numerics=NumericsGuard.from_config(config.train),
         rollback=checkpoint_rollback(
-            run_dir / "checkpoints", lambda bundle: parts.restore(bundle, rank=dist.rank)
+            run_dir / "checkpoints",
+            lambda bundle: parts.restore(bundle, rank=dist.rank),
+            before=lambda: settle_save(loop),
         )
         if config.checkpoint.enabled
         else None,
@@ -391,7 +409,12 @@ def _train_run(
         )
     try:
         with stop_on_signals(loop.stop), explain_collective_failure(dist, "a training step"):
-            run(loop)
+            try:
+                run(loop)
+            except TrainingInterrupted:
+                settle_save(loop)  # the stop's checkpoint is complete before the run ends
+                raise
+            settle_save(loop)
         # Under FSDP the whole weights are gathered from every rank first (a collective).
         whole = parts.weights.export_state(model)
         if dist.is_main:
