@@ -42,6 +42,19 @@ def test_the_shards_written_are_as_they_were_when_async_save_returned(tmp_path):
     assert ".metadata" in list_shards(tmp_path)
 
 
+def test_a_failed_write_raises_the_oserror_behind_dcps_checkpoint_exception(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from stoker.checkpoint.sharded import shards_written, start_writing_shards, write_shards
+
+    (tmp_path / "shards" / "__0_0.distcp").mkdir(parents=True)  # the shard cannot be opened
+    with pytest.warns(UserWarning), pytest.raises(IsADirectoryError) as raised:
+        shards_written(start_writing_shards(tmp_path, {"w": torch.ones(3)}, group=None))
+    assert isinstance(raised.value.__cause__, dcp.CheckpointException)
+    with pytest.warns(UserWarning), pytest.raises(IsADirectoryError):
+        write_shards(tmp_path, {"w": torch.ones(3)})  # the synchronous save, the same error
+
+
 def _failed_write() -> Future:
     from torch.distributed.checkpoint import CheckpointException
 
