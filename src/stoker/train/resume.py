@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from stoker.checkpoint.sharded import is_sharded_entry
 from stoker.data.fingerprint import Fingerprint
 from stoker.data.records import BadRecordLog
 from stoker.data.worker_watch import STOP_SIGNALS
-from stoker.errors import CheckpointError
+from stoker.errors import CheckpointError, ConfigError
 from stoker.train.callbacks import Callbacks
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, StopRequest
@@ -40,6 +40,9 @@ from stoker.train.resume_changes import (
     weights_error,
 )
 from stoker.train.state import TrainState, capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from stoker.config import RunConfig
 
 logger = logging.getLogger("stoker")
 
@@ -283,3 +286,35 @@ def _lookup(config: dict[str, Any], path: tuple[str, ...]) -> Any:
     for key in path:
         value = value.get(key) if isinstance(value, dict) else None
     return value
+
+
+def check_resume_config(
+    saved: dict[str, Any],
+    config: RunConfig,
+    *,
+    allow: bool,
+    saved_world: int = 1,
+    world: int = 1,
+    steps_per_epoch: int | None = None,
+) -> None:
+    """Refuses a resume whose settings changed what the next steps see (named, with the fix).
+
+    Under ``allow`` (``--allow-config-change``) it warns that the run is no longer exact.
+    """
+    changed = resume_mismatches(saved, config.to_dict(), steps_per_epoch=steps_per_epoch)
+    if saved_world != world:
+        changed.append(f"world size (processes): {saved_world} in the checkpoint, {world} now")
+    if not changed:
+        return
+    if allow:
+        logger.warning(
+            "resuming with changed settings (--allow-config-change), so the run is no longer "
+            "exact: %s",
+            "; ".join(changed),
+        )
+        return
+    raise ConfigError(
+        "the run being resumed was trained with other settings, so it could not continue "
+        "exactly:\n" + "\n".join(f"  - {line}" for line in changed),
+        hint="set them back, or pass --allow-config-change to resume anyway",
+    )

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import math
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -18,9 +15,6 @@ from stoker import components
 from stoker.checkpoint import (
     Checkpointer,
     export_safetensors,
-    find_latest_valid,
-    is_checkpoint_dir,
-    load_checkpoint,
 )
 from stoker.config import RunConfig, write_config
 from stoker.data.fingerprint import fingerprint_dataset, verify_dataset, write_fingerprint
@@ -35,47 +29,48 @@ from stoker.distributed.guards import (
     explain_collective_failure,
 )
 from stoker.distributed.runtime import Distributed, distributed_run
-from stoker.errors import CheckpointError, ConfigError, TrainingInterrupted
+from stoker.errors import TrainingInterrupted
 from stoker.observe.progress import build_progress
 from stoker.observe.report import write_report
 from stoker.observe.sinks import NullSink, build_sinks
 from stoker.observe.system import SystemMonitor, environment
 from stoker.observe.timing import PhaseTimer
-from stoker.observe.verdict import run_summary, summary_lines
+from stoker.observe.verdict import summary_lines
 from stoker.safe_files import check_not_link, write_text
 from stoker.train.callbacks import Callbacks
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import GradClipper
 from stoker.train.loop import Loop, run
-from stoker.train.metric_set import Metrics, monitor_mode
 from stoker.train.model_errors import config_hints
-from stoker.train.monitor import Monitor
 from stoker.train.numerics import NumericsGuard, checkpoint_rollback
 from stoker.train.optim import build_optimizer, build_scheduler
 from stoker.train.pipeline import UserComponents, build_pipeline
 from stoker.train.precision import build_precision
 from stoker.train.resume import (
     ResumableParts,
-    resume_mismatches,
+    check_resume_config,
     steps_per_epoch,
     stop_on_signals,
 )
-from stoker.train.rundir import create_run_dir, resume_command
+from stoker.train.run_setup import (
+    build_monitor,
+    elastic_resume,
+    prefetch_enabled,
+    step_functions,
+    total_steps,
+)
+from stoker.train.rundir import (
+    RUN_FILES,
+    load_resume_bundle,
+    open_run_dir,
+    per_rank,
+    resume_command,
+    say_where,
+    write_summary,
+)
 from stoker.train.state import TrainState, seed_everything
 from stoker.train.test_split import TestSplit
 from stoker.train.threads import loader_workers, use_threads
-
-logger = logging.getLogger("stoker")
-
-#: The files a run writes in its run dir (and bad_records.jsonl, named per rank).
-_RUN_FILES = (
-    "config.yaml",
-    "data_fingerprint.json",
-    "metrics.jsonl",
-    "environment.json",
-    "summary.json",
-    "report.html",
-)
 
 
 @dataclass(frozen=True)
@@ -141,7 +136,7 @@ def train_run(
             config,
             dist,
             user=user,
-            resume=_elastic_resume(config, dist, resume),
+            resume=elastic_resume(config, dist, resume),
             progress=progress if dist.is_main else "quiet",
             resume_hint=resume_hint,
             allow_data_change=allow_data_change,
@@ -172,18 +167,18 @@ def _train_run(
     scheduler = build_scheduler(
         optimizer,
         config.schedule,
-        total_steps=_total_steps(config, train_loader),
+        total_steps=total_steps(config, train_loader),
         user=user.scheduler,
     )
     callbacks = Callbacks([*components.build_callbacks(config), *user.callbacks])
-    step_fn, eval_fn = _step_fns(config, user)
+    step_fn, eval_fn = step_functions(config, user)
     precision = build_precision(config.train, device)
     state = TrainState()
-    monitor = _monitor(config, has_val=val_loader is not None, metrics=pipeline.metrics)
+    monitor = build_monitor(config, has_val=val_loader is not None, metrics=pipeline.metrics)
     test = TestSplit.from_pipeline(config, pipeline)
 
     # Rank 0 makes the run dir; the others write into the same one.
-    run_dir = dist.broadcast(_run_dir(config, resume) if dist.is_main else None)
+    run_dir = dist.broadcast(open_run_dir(config, resume) if dist.is_main else None)
     assert run_dir is not None  # every rank has rank 0's
     fingerprint = None
     if config.data.fingerprint != "off":
@@ -196,14 +191,14 @@ def _train_run(
         digest=fingerprint.digest if fingerprint is not None else None,
     )
     # Check that the run can be resumed before anything takes the checkpoint lock.
-    bundle = _load_resume_bundle(resume) if resume is not None else None
+    bundle = load_resume_bundle(resume) if resume is not None else None
     data_warning = None
     if bundle is not None:
         if fingerprint is not None and bundle.get("data_fingerprint") is not None:
             data_warning = verify_dataset(
                 pipeline.train_data, bundle["data_fingerprint"], allow_change=allow_data_change
             )
-        _check_resume_config(
+        check_resume_config(
             bundle.get("config", {}),
             config,
             allow=allow_config_change,
@@ -217,7 +212,7 @@ def _train_run(
     if dist.is_main:
         # Every file written here later, some only at the run's end: a planted link is
         # refused now, before the run trains (safe_files refuses it again when written).
-        for name in (*_RUN_FILES, _per_rank("bad_records.jsonl", dist)):
+        for name in (*RUN_FILES, per_rank("bad_records.jsonl", dist)):
             check_not_link(run_dir / name)
         checkpointer = Checkpointer(
             run_dir / "checkpoints",
@@ -227,7 +222,7 @@ def _train_run(
             mode=monitor.mode,
         )
     bad_records = BadRecordLog(
-        run_dir / _per_rank("bad_records.jsonl", dist),
+        run_dir / per_rank("bad_records.jsonl", dist),
         max_total=config.data.max_bad_records,
         max_consecutive=config.data.max_consecutive_bad_records,
     )
@@ -286,7 +281,7 @@ def _train_run(
         every_s=tracking.progress_every_s,
         every_steps=tracking.progress_every_steps,
         # The run's ETA counts the steps left: max_steps included, a resume's done left out.
-        run_steps=_total_steps(config, train_loader)
+        run_steps=total_steps(config, train_loader)
         if length_or_none(train_loader) is not None
         else config.train.max_steps,
         steps_done=state.step,
@@ -371,7 +366,9 @@ def _train_run(
         timer=timer,
         system=SystemMonitor(device),
         health=GradHealth(config.train.grad_health_every, optimizer_kind=type(optimizer).__name__),
-        prefetcher=DevicePrefetcher(device, enabled=_prefetch(config.train.prefetch, device)),
+        prefetcher=DevicePrefetcher(
+            device, enabled=prefetch_enabled(config.train.prefetch, device)
+        ),
         epochs=config.train.epochs,
         max_steps=config.train.max_steps,
         grad_accum_steps=config.train.grad_accum_steps,
@@ -434,14 +431,14 @@ def _train_run(
         saved = "; checkpoint saved" if config.checkpoint.enabled else "; no checkpoint"
         view.message(f"stopped by {loop.stop_reason} after step {state.step}{saved}")
     if dist.is_main:
-        summary = _write_summary(loop, run_dir)
+        summary = write_summary(loop, run_dir)
         for line in summary_lines(summary):
             view.message(line)
         if skipped := summary.get("data", {}).get("bad_records"):
             view.message(f"skipped {skipped} bad record(s): {run_dir / 'bad_records.jsonl'}")
         test.report(view, run_dir)
         write_report(run_dir)
-        _say_where(view, run_dir, resume_hint)
+        say_where(view, run_dir, resume_hint)
     view.close()
     dist.barrier()  # rank 0's files are complete before any rank reports success
     return FitResult(
@@ -456,203 +453,3 @@ def _train_run(
         test_metrics=test_metrics,
         stop_reason=loop.stop_reason,
     )
-
-
-def _prefetch(setting: bool | str, device: torch.device) -> bool:
-    if setting == "auto":
-        return device.type == "cuda"
-    if setting and device.type != "cuda":
-        raise ConfigError(
-            f"train.prefetch=true needs a CUDA device; this run trains on {device}",
-            hint="set train.prefetch=auto (on with CUDA, off elsewhere)",
-        )
-    return bool(setting)
-
-
-def _check_resume_config(
-    saved: dict[str, Any],
-    config: RunConfig,
-    *,
-    allow: bool,
-    saved_world: int = 1,
-    world: int = 1,
-    steps_per_epoch: int | None = None,
-) -> None:
-    changed = resume_mismatches(saved, config.to_dict(), steps_per_epoch=steps_per_epoch)
-    if saved_world != world:
-        changed.append(f"world size (processes): {saved_world} in the checkpoint, {world} now")
-    if not changed:
-        return
-    if allow:
-        logger.warning(
-            "resuming with changed settings (--allow-config-change), so the run is no longer "
-            "exact: %s",
-            "; ".join(changed),
-        )
-        return
-    raise ConfigError(
-        "the run being resumed was trained with other settings, so it could not continue "
-        "exactly:\n" + "\n".join(f"  - {line}" for line in changed),
-        hint="set them back, or pass --allow-config-change to resume anyway",
-    )
-
-
-def _write_summary(loop: Loop, run_dir: Path) -> dict[str, Any]:
-    """The run's verdict, phase table and epochs, to ``summary.json`` (the report shows it).
-
-    ``training`` holds the epochs as the loop counted them (from 1, as in the records),
-    so the report names the best epoch the monitor chose (``min_delta`` and all) and
-    whether early stopping ended the run, rather than working them out again.
-    """
-    stats = loop.timer.summary(whole_run=True)
-    samples_per_s = 0.0
-    if stats:
-        samples_per_s = loop.state.samples_seen / max(stats["step"].total_s, 1e-12)
-    summary = run_summary(
-        stats,
-        num_workers=getattr(loop.train_loader.dataloader, "num_workers", 0),
-        device_type=loop.device.type,
-        samples_per_s=samples_per_s,
-    )
-    state, monitor = loop.state, loop.monitor
-    summary["training"] = {
-        "epochs_done": state.epoch,  # a count of finished epochs: the last one's number
-        "epochs": loop.epochs,
-        "stopped_early": loop.stopped_early,
-        "monitor": monitor.metric,
-        "mode": monitor.mode,
-        "best_value": state.best_value,
-        "best_epoch": state.best_epoch,
-    }
-    if skipped := loop.train_loader.bad_records.total:  # distinct records, train and val
-        summary["data"] = {"bad_records": skipped}
-    write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-    return summary
-
-
-def _total_steps(config: RunConfig, loader: Any) -> int:
-    """Optimizer steps in the whole run, the horizon of decaying schedules."""
-    try:
-        per_epoch = math.ceil(len(loader) / config.train.grad_accum_steps)
-    except TypeError:
-        decays = config.schedule.name not in ("constant", "step")
-        if decays and config.train.max_steps is None and config.schedule.total_steps is None:
-            raise ConfigError(
-                f"schedule.name={config.schedule.name} needs to know the run's length, "
-                "but the training data has no len()",
-                hint="set train.max_steps or schedule.total_steps",
-            ) from None
-        return config.train.max_steps or config.schedule.total_steps or 1
-    total = per_epoch * config.train.epochs
-    return min(total, config.train.max_steps) if config.train.max_steps else total
-
-
-def _step_fns(config: RunConfig, user: UserComponents) -> tuple[Any, Any]:
-    """The user's step_fn and eval_fn: objects given to ``fit`` win over the config's."""
-    step_fn, eval_fn = components.build_step_fns(config)
-    step_fn, eval_fn = user.step_fn or step_fn, user.eval_fn or eval_fn
-    if eval_fn is not None and step_fn is None:
-        raise ConfigError(
-            "train.eval_fn is set but train.step_fn is not",
-            hint="set train.step_fn too (eval_fn replaces validation only)",
-        )
-    if step_fn is not None and config.loss.normalize == "tokens":
-        raise ConfigError(
-            "loss.normalize=tokens counts the targets' real tokens, which a step_fn's "
-            "batch does not name",
-            hint="set loss.normalize=samples; average over tokens inside the step_fn",
-        )
-    if step_fn is not None and (config.train.metrics or user.metrics):
-        # They score (outputs, targets), which a step_fn's batch does not name: they
-        # would be dropped without a word.
-        raise ConfigError(
-            "train.metrics cannot be computed with a step_fn: they take the model's outputs "
-            "and the targets, and a step_fn returns its own figures",
-            hint="return them from the step_fn (and eval_fn) as entries of its dict, "
-            "{'loss': loss, 'f1': ...}, logged as train/f1 and val/f1; and leave "
-            "train.metrics (fit's metrics=) empty",
-        )
-    return step_fn, eval_fn
-
-
-def _monitor(config: RunConfig, *, has_val: bool, metrics: Metrics | None = None) -> Monitor:
-    metric = config.train.monitor or ("val/loss" if has_val else "train/loss")
-    if metric.startswith("val/") and not has_val:
-        raise ConfigError(
-            f"train.monitor={metric} but the run has no validation data",
-            hint="set data.val or data.val_fraction, or train.monitor=train/loss",
-        )
-    mode = monitor_mode(metric, config.train.monitor_mode, metrics or Metrics())
-    stopping = config.train.early_stopping
-    return Monitor(
-        metric=metric,
-        mode=mode,
-        patience=stopping.patience if stopping else None,
-        min_delta=stopping.min_delta if stopping else 0.0,
-    )
-
-
-def _elastic_resume(
-    config: RunConfig, dist: Distributed, resume: str | Path | None
-) -> str | Path | None:
-    """After torchrun restarts the group, every rank resumes the run dir it was writing."""
-    if resume is not None or dist.info.restart_count == 0:
-        return resume
-    if config.tracking.run_dir is None:
-        raise ConfigError(
-            f"torchrun restarted this group (restart {dist.info.restart_count}) but the run "
-            "has no fixed run dir to resume from",
-            hint="pass --run-dir DIR (stoker train --nproc sets one for you)",
-        )
-    run_dir = Path(config.tracking.run_dir)
-    # A group that failed before rank 0 wrote config.yaml starts the run afresh.
-    return run_dir if (run_dir / "config.yaml").is_file() else None
-
-
-def _per_rank(name: str, dist: Distributed) -> str:
-    """``name`` for rank 0 (and a single process); ``stem.rankN.suffix`` for the others."""
-    if dist.is_main:
-        return name
-    stem, _, suffix = name.rpartition(".")
-    return f"{stem}.rank{dist.rank}.{suffix}"
-
-
-def _run_dir(config: RunConfig, resume: str | Path | None) -> Path:
-    if resume is not None:
-        path = Path(resume)
-        return path.parent.parent if path.is_file() or is_checkpoint_dir(path) else path
-    return create_run_dir(config.tracking.run_dir, root=config.tracking.runs_root, name=config.name)
-
-
-def _load_resume_bundle(resume: str | Path) -> dict[str, Any] | None:
-    """The newest checkpoint of a run dir; None for a run stopped before its first one."""
-    path = Path(resume)
-    if not path.exists():
-        raise CheckpointError(f"--resume: {path} does not exist", hint="give the run dir to resume")
-    checkpoint, damaged = find_latest_valid(path)
-    for folder, reason in damaged:
-        logger.warning("checkpoint %s is damaged (%s); skipping it", folder, reason)
-    if checkpoint is None:
-        if damaged:
-            raise CheckpointError(
-                f"--resume: every checkpoint in {path} is damaged; the newest: {damaged[0][1]}",
-                hint="restore the checkpoints from a copy, or start a new run",
-            )
-        if (path / "config.yaml").is_file():
-            return None  # killed before its first checkpoint: start it again from the top
-        raise CheckpointError(
-            f"--resume: {path} is not a run dir (no config.yaml, no checkpoints)",
-            hint="give the folder a run printed as its run dir",
-        )
-    if damaged:
-        logger.warning("resuming from %s, the newest checkpoint that verifies", checkpoint)
-    return load_checkpoint(checkpoint, verify=False)  # find_latest_valid just verified it
-
-
-def _say_where(view: Any, run_dir: Path, resume_hint: str | None) -> None:
-    view.message(f"run dir: {run_dir}")
-    if resume_hint:
-        view.message(f"resume:  {resume_command(resume_hint, run_dir)}")
-    if (run_dir / "tb").is_dir():
-        view.message(f"view:    tensorboard --logdir {shlex.quote(str(run_dir / 'tb'))}")
-    view.message(f"report:  {run_dir / 'report.html'}")
