@@ -25,6 +25,7 @@ from stoker.observe.halving import (
     Halving,
     Trial,
     halving_cost,
+    likeliest_first,
     search_space,
     successive_halving,
 )
@@ -50,6 +51,7 @@ from stoker.observe.tune_search import (
     changed_settings,
     config_with,
     facts_of,
+    likely_workers,
     other_changes,
     race,
     shortlist,
@@ -342,6 +344,7 @@ def tune(
         )
     timings["build_s"] = time.perf_counter() - started
     calibration = None
+    likely: Candidate | None = None
     changes: list[dict[str, Any]] = []
     if confirm:
         # The shortest run of the configured settings first: it times a step of the whole
@@ -358,6 +361,19 @@ def tune(
         facts = dataclasses.replace(facts, left_s=budget_s - (time.perf_counter() - started))
         changes, skipped = other_changes(facts)
         notes.extend(skipped)
+        workers = likely_workers(
+            fetch,
+            calibration,
+            batch_size=loader_cfg.batch_size,
+            cores=usable_cores(),
+            cap=max_workers,
+            batches=calibration.epoch_samples // loader_cfg.batch_size or None,
+        )
+        if workers is not None and not in_process:
+            # Measured first, and raced: a tight budget measures only a few of the
+            # ~20 worker counts, each for a moment (too short for many workers).
+            space = likeliest_first(space, workers)
+            likely = Candidate(workers, None, True, baseline.pin_memory)
     left_s = budget_s - (time.perf_counter() - started)
     search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
     if len(space) == 1:
@@ -394,6 +410,7 @@ def tune(
             model,
             calibration,
             changes=changes,
+            likely=likely,
             deadline=started + DEADLINE_SHARE * budget_s,
             say=say,
         )
@@ -434,6 +451,7 @@ def confirm_by_training(
     changes: list[dict[str, Any]],
     deadline: float,
     say: Callable[[str], None],
+    likely: Candidate | None = None,
 ) -> TuneResult:
     """The race of short training runs (see :func:`stoker.observe.tune_search.race`) over
     the best loader candidates and the other changes; a winner not more than 5% faster
@@ -443,7 +461,9 @@ def confirm_by_training(
         dict.fromkeys(t.candidate for t in halving.trials),
         key=lambda c: (-(halving.last_trial(c).samples_per_s), c.cost()),  # type: ignore[union-attr]
     )
-    ranked = list(dict.fromkeys([result.winner, *ranked]))
+    # The worker count the figures say keeps up with the step (persistent) is raced
+    # second whatever the loader alone measured of it in its moment.
+    ranked = list(dict.fromkeys([result.winner, *([likely] if likely else []), *ranked]))
     candidates = shortlist(ranked, result.baseline, changes, phases=calibration.phases)
     say(f"racing {len(candidates)} candidates and the current settings in short training runs")
     cached: dict[str, tuple[Any, float]] = {}

@@ -32,6 +32,7 @@ __all__ = [
     "config_with",
     "facts_of",
     "fitting",
+    "likely_workers",
     "other_changes",
     "race",
     "run_steps",
@@ -50,6 +51,8 @@ MAX_FINAL_ROUNDS = 3
 FIRST_OVERHEAD_S = 0.5
 #: Candidates besides the configured settings measured again, longer, in the last round.
 FINALISTS = 1
+#: Fewest batches of an epoch per worker the likely worker count is held to.
+MIN_BATCHES_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -294,10 +297,12 @@ def race(
     # Round 1: as many candidates as fit, likeliest first, each briefly.
     screen_end = clock() + SCREEN_SHARE * max(0.0, deadline - clock())
     todo = list(dict.fromkeys(c for c in candidates if c != baseline))
-    fits = fitting(
-        [overhead + fewest(c) * step_s[baseline] * scale(c) for c in todo],
-        screen_end - clock(),
-    )
+    costs = [overhead + fewest(c) * step_s[baseline] * scale(c) for c in todo]
+    fits = fitting(costs, screen_end - clock())
+    if not fits and costs and costs[0] <= deadline - clock():
+        # A race of the configured settings alone decides nothing: the likeliest
+        # candidate gets the time left, and the first round decides.
+        fits, screen_end = 1, deadline
     dropped.extend(todo[fits:])
     todo = todo[:fits]
     base_rate = runs[0].rate
@@ -307,7 +312,13 @@ def race(
     while index < len(todo):
         candidate = todo[index]
         left = len(todo) - index + spare
-        run = one(candidate, 1, (screen_end - clock()) / left)
+        # An equal share, or the candidate's fewest steps when the share is shorter (the
+        # likeliest first get their run; a later one that no longer fits is dropped).
+        least = overhead + fewest(candidate) * step_s.get(
+            candidate, step_s[baseline] * scale(candidate)
+        )
+        seconds = min(max((screen_end - clock()) / left, least), screen_end - clock())
+        run = one(candidate, 1, seconds)
         if run is None:
             dropped.append(candidate)
         else:
@@ -402,6 +413,36 @@ def _together(
     if parts < 2:
         return None
     return dataclasses.replace(best_loader, **others)
+
+
+def likely_workers(
+    fetch: Any,
+    calibration: PipelineFigures,
+    *,
+    batch_size: int,
+    cores: int,
+    cap: int,
+    batches: int | None = None,
+) -> int | None:
+    """The worker count that would just keep up with the step, from measured figures.
+
+    A batch takes ``batch_size`` fetches (and a collate) of one worker; the training
+    step's compute (forward, backward, optimizer: the calibration run's phase table) is
+    how long the workers have to deliver it. A fetch that mostly waits (a low CPU share:
+    disk, network) lets more workers than cores overlap their waits, up to the cores over
+    that share. ``batches``: an epoch's batches. None when the fetch was not measured.
+    """
+    if fetch is None or fetch.per_sample_s <= 0:
+        return None
+    # Each worker's start (a fork, its first batch) is paid back over the batches it
+    # fetches: at least MIN_BATCHES_PER_WORKER of an epoch's each.
+    most = max(1, batches // MIN_BATCHES_PER_WORKER) if batches else cap
+    batch_s = batch_size * (fetch.per_sample_s + (fetch.collate_per_sample_s or 0.0))
+    compute = sum(calibration.phases.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
+    compute_s = max(_step_s(calibration) * compute, 1e-4)
+    share = fetch.cpu_share if fetch.cpu_share > 0 else 1.0
+    ceiling = cores if share >= 0.5 else math.ceil(cores / max(share, 1 / 64))
+    return max(1, min(math.ceil(batch_s / compute_s), ceiling, cap, most))
 
 
 # --- the facts and configs of candidates ------------------------------------------------

@@ -11,10 +11,12 @@ import yaml
 
 from stoker.config import load_config
 from stoker.errors import ConfigError
-from stoker.observe.halving import Candidate, successive_halving
+from stoker.observe.fetch_cost import FetchFigures
+from stoker.observe.halving import Candidate, likeliest_first, search_space, successive_halving
 from stoker.observe.short_run import PipelineFigures
 from stoker.observe.tune_search import (
     Facts,
+    likely_workers,
     other_changes,
     race,
     run_steps,
@@ -269,3 +271,57 @@ def test_write_settings_writes_every_key_of_the_winner_keeping_comments_and_styl
         write_settings(path, {"optim.fuse": True})
     with pytest.raises(ConfigError, match="not a setting stoker can write"):
         write_settings(path, {"model.name": "x"})
+
+
+def test_likely_workers_keep_up_with_the_step_past_the_cores_when_the_fetch_waits() -> None:
+    # 64 fetches of 1 ms per batch against 10 ms of compute: 7 workers keep up.
+    calibration = dataclasses.replace(
+        figures(640.0, steps=10, step_s=0.1, overhead_s=0.0),
+        phases={"forward": 0.05, "backward": 0.04, "optimizer": 0.01, "data_wait": 0.9},
+    )
+    waits = FetchFigures(0.001, 0.05, None, None, False)  # 5% CPU: an I/O wait
+    busy = dataclasses.replace(waits, cpu_share=1.0)
+    kwargs = {"batch_size": 64, "cores": 2, "cap": 16}
+    assert likely_workers(waits, calibration, **kwargs) == 7
+    assert likely_workers(busy, calibration, **kwargs) == 2  # CPU-bound: no more than cores
+    # Each worker pays its start back over at least 4 batches of the epoch.
+    assert likely_workers(waits, calibration, **kwargs, batches=12) == 3
+    assert likely_workers(None, calibration, **kwargs) is None
+
+
+def test_likeliest_first_measures_the_likely_count_and_its_neighbours_first() -> None:
+    space = search_space(cores=2, baseline=Candidate(2), cuda=False, batched=False, cpu_share=0.05)
+    ordered = likeliest_first(space, 8)
+    assert sorted(ordered, key=repr) == sorted({*space, Candidate(8, None, True)}, key=repr)
+    assert ordered[:3] == [Candidate(2), Candidate(8), Candidate(8, None, True)]
+    counts = [c.num_workers for c in ordered[3:8]]
+    assert counts[:2] in ([4, 16], [16, 4])  # the neighbours before 0, 1, 2
+    assert likeliest_first(space, 8) != space  # before: 0, 1, 2, 3 first
+
+
+def test_race_runs_the_likeliest_candidate_when_its_screen_share_is_too_short() -> None:
+    clock = [0.0]
+    fast, slow = Candidate(8, persistent_workers=True), Candidate(16)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        rate = 300.0 if candidate == fast else 100.0
+        clock[0] += 0.3 + steps * 64 / rate
+        return figures(rate, steps=steps, step_s=64 / rate, overhead_s=0.3)
+
+    calibration = figures(100.0, steps=5, step_s=0.64, overhead_s=0.3)
+    result = race(
+        [fast, slow],
+        Candidate(2),
+        calibration,
+        measure,
+        deadline=4.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    # The screen (55% of 4 s) is short of 3 steps and the start (2.2 s): before, both were
+    # dropped and the configured settings raced alone; now the first gets the time left.
+    assert fast not in result.dropped and slow in result.dropped
+    assert result.winner == fast
