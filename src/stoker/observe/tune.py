@@ -416,7 +416,7 @@ def tune(
         )
         timings["training_runs_s"] = time.perf_counter() - mark
     winner = result.winner
-    if winner.per_sample:
+    if result.halving.winner.per_sample:
         notes.append("per-sample fetch measured faster than batched fetch for this dataset")
     settings = {} if result.rejected else changed_settings(config, baseline, winner, cuda=cuda)
     if "loader.batch_size" in settings:
@@ -464,6 +464,9 @@ def confirm_by_training(
     # The worker count the figures say keeps up with the step (persistent) is raced
     # second whatever the loader alone measured of it in its moment.
     ranked = list(dict.fromkeys([result.winner, *([likely] if likely else []), *ranked]))
+    # Per-sample fetch of a batched dataset has no setting to write: a winner raced with
+    # it would predict a speed the written settings do not give.
+    ranked = [c for c in ranked if not c.per_sample]
     candidates = shortlist(ranked, result.baseline, changes, phases=calibration.phases)
     say(f"racing {len(candidates)} candidates and the current settings in short training runs")
     cached: dict[str, tuple[Any, float]] = {}

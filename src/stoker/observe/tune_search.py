@@ -337,8 +337,13 @@ def race(
     finals: dict[Candidate, list[RaceRun]] = {}
     for round_index in range(2, 2 + MAX_FINAL_ROUNDS):
         share = (deadline - clock()) / len(order)
-        if round_index > 2 and any(plan(c, share) is None for c in order):
-            break  # another whole round does not fit
+        if round_index > 2 and any(
+            (plan(c, share) or 0) < finals[c][-1].figures.steps for c in order
+        ):
+            # Another round as long as the last does not fit: shorter runs weigh each
+            # run's fixed costs more (a first optimizer step, a cold cache), the faster
+            # candidate's most, and averaged in they under-predicted its speed-up.
+            break
         for position, candidate in enumerate(order):
             run = one(candidate, round_index, (deadline - clock()) / (len(order) - position))
             if run is not None:
