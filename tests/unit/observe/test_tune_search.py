@@ -325,3 +325,30 @@ def test_race_runs_the_likeliest_candidate_when_its_screen_share_is_too_short() 
     # dropped and the configured settings raced alone; now the first gets the time left.
     assert fast not in result.dropped and slow in result.dropped
     assert result.winner == fast
+
+
+def test_race_repeats_a_final_round_only_as_long_as_the_last() -> None:
+    clock = [0.0]
+    baseline, fused = Candidate(0), Candidate(0, fused=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        step_s = 0.1 if candidate == baseline else 0.05
+        clock[0] += 0.05 + steps * step_s / 2  # runs take half the time planned
+        return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.05)
+
+    result = race(
+        [fused],
+        baseline,
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.05),
+        measure,
+        deadline=10.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    finals = [run for run in result.runs if run.round >= 2]
+    # 3.2 s were left after the second round: room for 15 and 31 steps, shorter than its
+    # 42 and 128; such runs weigh fixed costs more and are not averaged in.
+    assert [run.round for run in finals] == [2, 2]
