@@ -353,15 +353,13 @@ def race(
     if baseline in finals and len(finals) > 1:
         pool = {c: sum(r.rate for r in rs) / len(rs) for c, rs in finals.items()}
         reference = finals[baseline][-1]
-    else:  # the last round did not fit: the first round decides
-        pool = {baseline: base_rate, **first}
+    else:  # the configured settings did not run again: each one's longest run decides
+        longest = {c: max((r for r in runs if r.candidate == c), key=_steps) for c in first}
+        pool = {baseline: base_rate, **{c: run.rate for c, run in longest.items()}}
         reference = runs[0]
+        finals = {c: [run] for c, run in longest.items()}
     best = max(pool, key=lambda c: (pool[c], -len(c.settings())))
-    winner_run = (
-        finals[best][-1]
-        if best in finals
-        else next(r for r in reversed(runs) if r.candidate == best)
-    )
+    winner_run = finals[best][-1] if best in finals else runs[0]
     gain = pool[best] / pool[baseline] if pool[baseline] > 0 else 1.0
     return PipelineRace(
         runs=tuple(runs),
@@ -385,6 +383,10 @@ def fitting(costs: Sequence[float], seconds: float) -> int:
     if count >= 3 and total + max(costs[:count]) > seconds:
         count -= 1  # room for the winners together
     return count
+
+
+def _steps(run: RaceRun) -> int:
+    return run.figures.steps
 
 
 def _step_s(figures: PipelineFigures) -> float:

@@ -352,3 +352,31 @@ def test_race_repeats_a_final_round_only_as_long_as_the_last() -> None:
     # 3.2 s were left after the second round: room for 15 and 31 steps, shorter than its
     # 42 and 128; such runs weigh fixed costs more and are not averaged in.
     assert [run.round for run in finals] == [2, 2]
+
+
+def test_race_predicts_from_each_candidates_longest_run_when_the_baseline_cannot_rerun() -> None:
+    clock = [0.0]
+    baseline, workers = Candidate(2), Candidate(8, persistent_workers=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        clock[0] += 0.3 + steps * 0.05
+        rate = 200.0 if steps < 10 else 400.0  # a short run is mostly its workers' start
+        return figures(rate, steps=steps, step_s=0.05, overhead_s=0.3)
+
+    result = race(
+        [workers],
+        baseline,
+        figures(100.0, steps=5, step_s=0.2, overhead_s=0.3),
+        measure,
+        deadline=2.2,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    assert [(run.round, run.figures.steps) for run in result.runs[1:]] == [(1, 4), (2, 28)]
+    # Before: the screening run's 200 samples/s decided (2x); the 28-step run shows 4x.
+    assert result.winner == workers
+    assert result.gain == pytest.approx(4.0)
+    assert result.winner_figures.steps == 28
