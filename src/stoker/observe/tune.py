@@ -236,6 +236,8 @@ def _asdict(figures: PipelineFigures | None) -> dict[str, Any] | None:
 #: The share of the budget (after building and calibrating) the loader-alone search gets
 #: when short training runs follow (they get the rest).
 SEARCH_SHARE = 0.2
+#: The most of the budget the first run, of the configured settings, may take.
+CALIBRATE_SHARE = 0.25
 #: The share of the budget the last training run may end by (tearing it down follows).
 DEADLINE_SHARE = 0.95
 
@@ -353,7 +355,14 @@ def tune(
         mark = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-            calibration = measure_pipeline(config, pipeline, model, steps=warmup_steps(config) + 4)
+            calibration = measure_pipeline(
+                config,
+                pipeline,
+                model,
+                steps=warmup_steps(config) + 4,
+                # Many slow workers' prefetched burst took 4.4 s of an 8 s budget.
+                deadline=started + CALIBRATE_SHARE * budget_s,
+            )
         timings["calibrate_s"] = time.perf_counter() - mark
         facts = facts_of(
             config, pipeline, model, fetch=fetch, calibration=calibration, in_memory=in_process

@@ -51,6 +51,8 @@ MAX_FINAL_ROUNDS = 3
 FIRST_OVERHEAD_S = 0.5
 #: Candidates besides the configured settings measured again, longer, in the last round.
 FINALISTS = 1
+#: A race run is stopped at this multiple of its planned seconds.
+RUN_SLACK = 1.5
 #: Fewest batches of an epoch per worker the likely worker count is held to.
 MIN_BATCHES_PER_WORKER = 4
 
@@ -283,7 +285,10 @@ def race(
         steps = plan(candidate, seconds)
         if steps is None:
             return None
-        figures = measure(candidate, steps, deadline)
+        # Stopped at half again its share: a candidate that much slower than planned
+        # (threads spinning on a busy machine: 10x) is losing, and must not take the
+        # others' time (one took 5.8 s of a 1 s share).
+        figures = measure(candidate, steps, min(deadline, clock() + RUN_SLACK * seconds))
         if figures is None:
             return None
         if not figures.cut_short:

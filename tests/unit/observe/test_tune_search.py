@@ -380,3 +380,29 @@ def test_race_predicts_from_each_candidates_longest_run_when_the_baseline_cannot
     assert result.winner == workers
     assert result.gain == pytest.approx(4.0)
     assert result.winner_figures.steps == 28
+
+
+def test_a_race_run_is_stopped_at_half_again_its_share() -> None:
+    clock = [0.0]
+    slow = Candidate(0, threads=2)
+    ends: list[float] = []
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        ends.append(until - clock[0])
+        clock[0] = until if candidate == slow else clock[0] + 0.3 + steps * 0.1
+        return figures(64.0, steps=steps, step_s=0.1, overhead_s=0.3)
+
+    race(
+        [slow, Candidate(0, fused=True)],
+        Candidate(0),
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
+        measure,
+        deadline=20.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    # The screen's share is 55% of 20 s over 2: 5.5 s; before, the run could take all 20.
+    assert ends[0] == pytest.approx(1.5 * 5.5)
