@@ -362,6 +362,7 @@ def tune(
                 steps=warmup_steps(config) + 4,
                 # Many slow workers' prefetched burst took 4.4 s of an 8 s budget.
                 deadline=started + CALIBRATE_SHARE * budget_s,
+                min_steps=4,  # a step time to plan from, past the first
             )
         timings["calibrate_s"] = time.perf_counter() - mark
         facts = facts_of(
