@@ -366,20 +366,49 @@ def test_race_predicts_from_each_candidates_longest_run_when_the_baseline_cannot
     result = race(
         [workers],
         baseline,
-        figures(100.0, steps=5, step_s=0.2, overhead_s=0.3),
+        figures(100.0, steps=5, step_s=2.0, overhead_s=0.3),  # 3 steps take 6 s
         measure,
         deadline=2.2,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 0.25 if c == workers else 1.0,
+        clock=lambda: clock[0],
+    )
+    assert [(run.round, run.figures.steps) for run in result.runs[1:]] == [(1, 3), (2, 28)]
+    # Before: the screening run's 200 samples/s decided (2x); the 28-step run shows 4x.
+    assert result.winner == workers
+    assert result.gain == pytest.approx(4.0)
+    assert result.winner_figures.steps == 28
+
+
+def test_race_reruns_the_configured_settings_at_their_fewest_steps_in_the_last_round() -> None:
+    clock = [0.0]
+    baseline, workers = Candidate(0), Candidate(2, persistent_workers=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        step_s = 0.1 if candidate == baseline else 0.05
+        clock[0] += 0.3 + steps * step_s
+        return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.3)
+
+    # The calibration, the process's first run, took 0.3 s a step (one-off costs).
+    result = race(
+        [workers],
+        baseline,
+        figures(213.0, steps=5, step_s=0.3, overhead_s=0.3),
+        measure,
+        deadline=2.6,
         epochs=1,
         epoch_steps=lambda c: None,
         fewest=lambda c: 3,
         scale=lambda c: 1.0,
         clock=lambda: clock[0],
     )
-    assert [(run.round, run.figures.steps) for run in result.runs[1:]] == [(1, 4), (2, 28)]
-    # Before: the screening run's 200 samples/s decided (2x); the 28-step run shows 4x.
-    assert result.winner == workers
-    assert result.gain == pytest.approx(4.0)
-    assert result.winner_figures.steps == 28
+    reruns = [run for run in result.runs if run.round == 2 and run.candidate == baseline]
+    # Its equal share (1.1 s) held no 3 steps at the calibration's 0.3 s; before, the
+    # calibration's 213 samples/s was the reference (6x); at its own 640, 2x.
+    assert reruns and reruns[0].figures.steps >= 3
+    assert result.gain == pytest.approx(2.0)
 
 
 def test_a_race_run_is_stopped_at_half_again_its_share() -> None:
