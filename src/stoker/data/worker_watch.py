@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import re
 import shutil
@@ -125,6 +126,10 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         """Run first in loader worker ``worker_id``: stack dumps on, stop signals ignored."""
+        # What the worker inherited is the training process's: its garbage collector must
+        # not finalize it. A forked copy of another loader's iterator, garbage in a cycle,
+        # ran PyTorch's shutdown here, on that loader's queues, from the wrong process.
+        gc.freeze()
         if self.directory is not None:
             self._write_stacks_on_fault(worker_id)
         # Last: PyTorch's worker handlers (set again above) include one for SIGTERM that

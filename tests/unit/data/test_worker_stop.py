@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,39 @@ def test_a_process_exits_while_a_loader_still_has_workers(tmp_path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exiting" in done.stdout
+
+
+class _Finalized:
+    """Garbage in a reference cycle that records which process finalizes it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.me = path, self
+
+    def __del__(self) -> None:
+        with open(self.path, "a") as stream:
+            stream.write(f"{os.getpid()}\n")
+
+
+class _Collecting(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        gc.collect()  # as any allocation-heavy sample may trigger
+        return torch.tensor([float(index)])
+
+
+def test_a_worker_does_not_finalize_what_it_inherited(tmp_path) -> None:
+    path = str(tmp_path / "finalized")
+    gc.disable()  # the cycle is still uncollected garbage when the worker forks
+    try:
+        _Finalized(path)
+        loader = build_loader(_Collecting(), batch_size=4, num_workers=1)
+        assert sum(len(b) for b in loader) == 8
+    finally:
+        gc.enable()
+    gc.collect()
+    pids = Path(path).read_text().split() if os.path.exists(path) else []
+    # Before: the worker's collector ran __del__ too (PyTorch's shutdown of another
+    # loader, in the suite), from the worker's process.
+    assert pids == [str(os.getpid())]
