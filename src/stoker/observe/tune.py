@@ -38,26 +38,23 @@ from stoker.observe.short_run import (
 )
 from stoker.observe.stages import (
     PerSampleView,
-    burst_size,
-    copy_to,
     measure_fetch,
-    measure_loader,
     usable_cores,
-    warmup_batches,
 )
+from stoker.observe.tune_loader import WORKER_WARNING, LoaderMeasure
+from stoker.observe.tune_plan import likely_workers
 from stoker.observe.tune_search import (
     PipelineRace,
     candidate_scale,
     changed_settings,
     config_with,
     facts_of,
-    likely_workers,
     other_changes,
     race,
     shortlist,
 )
 from stoker.observe.yaml_edit import write_loader_settings, write_settings
-from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline, build_train_loader
+from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline
 
 __all__ = [
     "Candidate",
@@ -76,50 +73,6 @@ __all__ = [
 logger = logging.getLogger("stoker")
 
 #: The worker-count warning PyTorch gives above the core count: measuring that is the point.
-_WORKER_WARNING = ".*worker processes in total.*"
-
-
-class LoaderMeasure:
-    """``measure(candidate, seconds)``: the training loader alone with those settings.
-
-    With an accelerator each batch is also copied to it (non-blocking, then waited
-    for), so pinned memory shows its worth.
-    """
-
-    def __init__(self, config: RunConfig, pipeline: Pipeline, *, repeats: int = 3) -> None:
-        self.config = config
-        self.pipeline = pipeline
-        self.repeats = repeats
-
-    def __call__(self, candidate: Candidate, seconds: float) -> float:
-        """Samples/s of the loader alone with ``candidate``'s settings, over ``seconds``."""
-        pipeline = self.pipeline
-        data = PerSampleView(pipeline.train_data) if candidate.per_sample else pipeline.train_data
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-            loader = build_train_loader(
-                self.config,
-                data,
-                device=pipeline.device,
-                collate_fn=pipeline.collate_fn,
-                **candidate.overrides(),
-            )
-            rate = measure_loader(
-                loader,
-                seconds=seconds,
-                repeats=self.repeats,
-                warmup_batches=warmup_batches(candidate.num_workers, candidate.prefetch_factor),
-                burst=burst_size(candidate.num_workers, candidate.prefetch_factor),
-                consume=copy_to(pipeline.device),
-                # Warm-up and bursts included, a candidate costs at most twice its share.
-                max_s=2 * seconds + 0.05,
-            )
-        del loader
-        # Its workers stop now, in this measurement's time: a loader left for the garbage
-        # collector would stop in the middle of a later run, and workers forked before
-        # then inherit it (its shutdown then waits seconds on them).
-        gc.collect()
-        return rate.samples_per_s
 
 
 @dataclass(frozen=True)
@@ -293,7 +246,7 @@ def tune(
     timings: dict[str, float] = {}
     gc.collect()  # loaders left over in this process stop before any worker forks
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+        warnings.filterwarnings("ignore", message=WORKER_WARNING)
         pipeline = build_pipeline(config, user or UserComponents())
     model = copy.deepcopy(pipeline.model)
     device = pipeline.device
@@ -354,7 +307,7 @@ def tune(
         say("timing a training step of the configured settings")
         mark = time.perf_counter()
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            warnings.filterwarnings("ignore", message=WORKER_WARNING)
             calibration = measure_pipeline(
                 config,
                 pipeline,
@@ -490,7 +443,7 @@ def confirm_by_training(
                 cached["memory"] = cached_data(run_config, pipeline.train_data)
             data, fill_s = cached["memory"]
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            warnings.filterwarnings("ignore", message=WORKER_WARNING)
             figures = measure_pipeline(
                 run_config, pipeline, model, steps=steps, dataset=data, deadline=until
             )

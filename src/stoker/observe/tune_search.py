@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from stoker.observe.halving import Candidate
 from stoker.observe.proposals import CHEAP_SAMPLE_S, MIN_GAIN
 from stoker.observe.short_run import PipelineFigures, apply_settings
 from stoker.observe.stages import usable_cores
+from stoker.observe.tune_plan import fitting, run_steps, step_s_of
 from stoker.train.optim import build_optimizer
 from stoker.train.pipeline import Pipeline
 
@@ -31,8 +31,6 @@ __all__ = [
     "changed_settings",
     "config_with",
     "facts_of",
-    "fitting",
-    "likely_workers",
     "other_changes",
     "race",
     "run_steps",
@@ -53,8 +51,6 @@ FIRST_OVERHEAD_S = 0.5
 FINALISTS = 1
 #: A race run is stopped at this multiple of its planned seconds.
 RUN_SLACK = 1.5
-#: Fewest batches of an epoch per worker the likely worker count is held to.
-MIN_BATCHES_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -174,31 +170,6 @@ def shortlist(
     return [c for c in dict.fromkeys(ordered) if c != baseline]
 
 
-def run_steps(
-    seconds: float,
-    *,
-    overhead_s: float,
-    step_s: float,
-    fewest: int,
-    epoch_steps: int | None,
-    epochs: int,
-) -> int | None:
-    """Steps for one short run that fits in ``seconds``, its fixed cost included.
-
-    Whole epochs when at least one fits (their times are then a real run's: start-up
-    and shutdown inside), never more than the run's ``epochs`` (that is the real run);
-    else as many steps as fit. None when not even ``fewest`` fit.
-    """
-    if step_s <= 0 or not math.isfinite(step_s):
-        return None
-    steps = int((seconds - overhead_s) / step_s)
-    if steps < fewest:
-        return None
-    if epoch_steps and steps >= epoch_steps:
-        return min(steps // epoch_steps, max(epochs, 1)) * epoch_steps
-    return steps
-
-
 @dataclass(frozen=True)
 class RaceRun:
     """One short training run of the race."""
@@ -261,7 +232,7 @@ def race(
     deadline whatever its plan. When two or more changes each win, they are tried
     together.
     """
-    step_s: dict[Candidate, float] = {baseline: _step_s(calibration)}
+    step_s: dict[Candidate, float] = {baseline: step_s_of(calibration)}
     # A run's fixed cost: the calibration's, but no more than FIRST_OVERHEAD_S (the first
     # run of a process also pays one-time imports), then the mean of the race's runs.
     overheads: list[float] = []
@@ -297,7 +268,7 @@ def race(
         if figures is None:
             return None
         if not figures.cut_short:
-            step_s[candidate] = _step_s(figures)
+            step_s[candidate] = step_s_of(figures)
             overheads.append(max(0.0, figures.wall_s - figures.epoch_s))
             overhead = sum(overheads) / len(overheads)
         run = RaceRun(candidate, round_index, figures, figures.run_rate(epochs))
@@ -384,26 +355,8 @@ def race(
     )
 
 
-def fitting(costs: Sequence[float], seconds: float) -> int:
-    """How many of the runs costing ``costs`` (in order) fit in ``seconds``, keeping
-    room for the winners together when three or more fit."""
-    count, total = 0, 0.0
-    for cost in costs:
-        if total + cost > seconds:
-            break
-        total += cost
-        count += 1
-    if count >= 3 and total + max(costs[:count]) > seconds:
-        count -= 1  # room for the winners together
-    return count
-
-
 def _steps(run: RaceRun) -> int:
     return run.figures.steps
-
-
-def _step_s(figures: PipelineFigures) -> float:
-    return figures.epoch_s / max(figures.steps, 1)
 
 
 def _together(
@@ -433,36 +386,6 @@ def _together(
     if parts < 2:
         return None
     return dataclasses.replace(best_loader, **others)
-
-
-def likely_workers(
-    fetch: Any,
-    calibration: PipelineFigures,
-    *,
-    batch_size: int,
-    cores: int,
-    cap: int,
-    batches: int | None = None,
-) -> int | None:
-    """The worker count that would just keep up with the step, from measured figures.
-
-    A batch takes ``batch_size`` fetches (and a collate) of one worker; the training
-    step's compute (forward, backward, optimizer: the calibration run's phase table) is
-    how long the workers have to deliver it. A fetch that mostly waits (a low CPU share:
-    disk, network) lets more workers than cores overlap their waits, up to the cores over
-    that share. ``batches``: an epoch's batches. None when the fetch was not measured.
-    """
-    if fetch is None or fetch.per_sample_s <= 0:
-        return None
-    # Each worker's start (a fork, its first batch) is paid back over the batches it
-    # fetches: at least MIN_BATCHES_PER_WORKER of an epoch's each.
-    most = max(1, batches // MIN_BATCHES_PER_WORKER) if batches else cap
-    batch_s = batch_size * (fetch.per_sample_s + (fetch.collate_per_sample_s or 0.0))
-    compute = sum(calibration.phases.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
-    compute_s = max(_step_s(calibration) * compute, 1e-4)
-    share = fetch.cpu_share if fetch.cpu_share > 0 else 1.0
-    ceiling = cores if share >= 0.5 else math.ceil(cores / max(share, 1 / 64))
-    return max(1, min(math.ceil(batch_s / compute_s), ceiling, cap, most))
 
 
 # --- the facts and configs of candidates ------------------------------------------------

@@ -85,6 +85,7 @@ def test_a_worker_stuck_in_user_code_is_killed_when_its_loader_goes(monkeypatch,
     assert not _alive(pid), "the stuck worker outlived its loader"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: 3-6 s
 def test_a_process_exits_while_a_loader_still_has_workers(tmp_path) -> None:
     # multiprocessing ends a process by SIGTERM to its daemon children (which stoker's
     # workers ignore) and then joins them: without stopping them first, it never exits.

@@ -14,12 +14,11 @@ from stoker.errors import ConfigError
 from stoker.observe.fetch_cost import FetchFigures
 from stoker.observe.halving import Candidate, likeliest_first, search_space, successive_halving
 from stoker.observe.short_run import PipelineFigures
+from stoker.observe.tune_plan import likely_workers, run_steps
 from stoker.observe.tune_search import (
     Facts,
-    likely_workers,
     other_changes,
     race,
-    run_steps,
     shortlist,
 )
 from stoker.observe.yaml_edit import write_settings
