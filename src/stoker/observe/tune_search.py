@@ -71,6 +71,8 @@ class Facts:
         free_bytes: Memory available.
         epochs: ``train.epochs``.
         left_s: The tuner's time left.
+        fill_sample_s: ``dataset[i]`` per sample read in order, as a cache's fill reads
+            (None: ``per_sample_s``).
     """
 
     device: str
@@ -87,6 +89,7 @@ class Facts:
     free_bytes: int | None
     epochs: int
     left_s: float
+    fill_sample_s: float | None = None
 
 
 def other_changes(facts: Facts) -> tuple[list[dict[str, Any]], list[str]]:
@@ -101,7 +104,7 @@ def other_changes(facts: Facts) -> tuple[list[dict[str, Any]], list[str]]:
     notes: list[str] = []
     if facts.cache == "none" and facts.length and not facts.in_memory:
         cheap = facts.per_sample_s is not None and facts.per_sample_s < CHEAP_SAMPLE_S
-        fill_s = facts.length * (facts.per_sample_s or 0.0)
+        fill_s = facts.length * (facts.fill_sample_s or facts.per_sample_s or 0.0)
         size = facts.length * facts.sample_bytes if facts.sample_bytes else None
         if facts.epochs < 2 and not cheap:
             pass  # one epoch: filling the cache costs what the epoch would
@@ -426,6 +429,7 @@ def facts_of(
         length=length,
         in_memory=in_memory or isinstance(data, ArrayDataset),
         per_sample_s=fetch.per_sample_s if fetch is not None else None,
+        fill_sample_s=fetch.fill_per_sample_s if fetch is not None else None,
         sample_bytes=_sample_bytes(data) if length else None,
         free_bytes=psutil.virtual_memory().available,
         epochs=config.train.epochs,
