@@ -440,7 +440,10 @@ def confirm_by_training(
         fill_s = 0.0
         if candidate.cache == "memory":
             if "memory" not in cached:  # filled once, its time charged to every run
+                filling = time.perf_counter()
                 cached["memory"] = cached_data(run_config, pipeline.train_data)
+                # Charged as prepare_s, not its steps' time (a fill cut its run to 1 step).
+                until = min(deadline, until + time.perf_counter() - filling)
             data, fill_s = cached["memory"]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=WORKER_WARNING)
