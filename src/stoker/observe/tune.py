@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from stoker.config import RunConfig
 from stoker.data.loader_fast import serves_in_process
 from stoker.data.sources import length_or_none
@@ -42,7 +40,7 @@ from stoker.observe.stages import (
     usable_cores,
 )
 from stoker.observe.tune_loader import WORKER_WARNING, LoaderMeasure
-from stoker.observe.tune_plan import likely_workers
+from stoker.observe.tune_plan import cache_first, import_optimizer_stack, likely_workers
 from stoker.observe.tune_search import (
     PipelineRace,
     candidate_scale,
@@ -193,17 +191,6 @@ SEARCH_SHARE = 0.2
 CALIBRATE_SHARE = 0.25
 #: The share of the budget the last training run may end by (tearing it down follows).
 DEADLINE_SHARE = 0.95
-
-
-def import_optimizer_stack() -> None:
-    """Build a throwaway optimizer before the budget's clock starts.
-
-    A process's first ``torch.optim`` optimizer imports the compiler stack (about 2 s
-    of CPU on 2 cores, 6 s on a busy machine): a one-off cost of the process, like
-    ``import torch``, which otherwise landed in the first timed run and took the budget
-    (a 3 s budget ended at 7-8 s under load).
-    """
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
 def tune(
@@ -374,6 +361,13 @@ def tune(
             calibration,
             changes=changes,
             likely=likely,
+            cache_first=cache_first(
+                fetch,
+                calibration,
+                length=length_or_none(pipeline.train_data),
+                epochs=config.train.epochs,
+                loader_rate=max((t.samples_per_s for t in halving.trials), default=0.0),
+            ),
             deadline=started + DEADLINE_SHARE * budget_s,
             say=say,
         )
@@ -415,6 +409,7 @@ def confirm_by_training(
     deadline: float,
     say: Callable[[str], None],
     likely: Candidate | None = None,
+    cache_first: bool = False,
 ) -> TuneResult:
     """The race of short training runs (see :func:`stoker.observe.tune_search.race`) over
     the best loader candidates and the other changes; a winner not more than 5% faster
@@ -430,7 +425,9 @@ def confirm_by_training(
     # Per-sample fetch of a batched dataset has no setting to write: a winner raced with
     # it would predict a speed the written settings do not give.
     ranked = [c for c in ranked if not c.per_sample]
-    candidates = shortlist(ranked, result.baseline, changes, phases=calibration.phases)
+    candidates = shortlist(
+        ranked, result.baseline, changes, phases=calibration.phases, cache_first=cache_first
+    )
     say(f"racing {len(candidates)} candidates and the current settings in short training runs")
     cached: dict[str, tuple[Any, float]] = {}
 

@@ -7,9 +7,19 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from stoker.observe.short_run import PipelineFigures
 
-__all__ = ["MIN_BATCHES_PER_WORKER", "fitting", "likely_workers", "run_steps", "step_s_of"]
+__all__ = [
+    "MIN_BATCHES_PER_WORKER",
+    "cache_first",
+    "fitting",
+    "import_optimizer_stack",
+    "likely_workers",
+    "run_steps",
+    "step_s_of",
+]
 
 #: Fewest batches of an epoch per worker the likely worker count is held to.
 MIN_BATCHES_PER_WORKER = 4
@@ -87,3 +97,35 @@ def likely_workers(
     share = fetch.cpu_share if fetch.cpu_share > 0 else 1.0
     ceiling = cores if share >= 0.5 else math.ceil(cores / max(share, 1 / 64))
     return max(1, min(math.ceil(batch_s / compute_s), ceiling, cap, most))
+
+
+def cache_first(
+    fetch: Any, calibration: PipelineFigures, *, length: int | None, epochs: int, loader_rate: float
+) -> bool:
+    """Whether a memory cache should be raced before the best loader settings.
+
+    The estimates, over the run's ``epochs``: cached, the data wait (the calibration's
+    phase table) is gone after a fill of ``length`` samples read in order; with the best
+    loader settings, the pipeline runs at the loader alone's ``loader_rate``, no faster
+    than compute. Only the order of the race: a tight budget runs the first only.
+    """
+    if fetch is None or not length or calibration.samples_per_s <= 0:
+        return False
+    rate = calibration.samples_per_s
+    wait = min(calibration.phases.get("data_wait", 0.0), 0.99)
+    run_s = epochs * length / rate
+    fill_s = length * (fetch.fill_per_sample_s or fetch.per_sample_s)
+    cached = run_s / (fill_s + run_s * (1 - wait))
+    workers = min(loader_rate, rate / (1 - wait)) / rate
+    return cached > workers
+
+
+def import_optimizer_stack() -> None:
+    """Build a throwaway optimizer before the budget's clock starts.
+
+    A process's first ``torch.optim`` optimizer imports the compiler stack (about 2 s
+    of CPU on 2 cores, 6 s on a busy machine): a one-off cost of the process, like
+    ``import torch``, which otherwise landed in the first timed run and took the budget
+    (a 3 s budget ended at 7-8 s under load).
+    """
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)

@@ -137,6 +137,7 @@ def shortlist(
     *,
     phases: dict[str, float],
     loaders: int = 2,
+    cache_first: bool = False,
 ) -> list[Candidate]:
     """The race's candidates, likeliest first (a tight budget drops the last).
 
@@ -144,8 +145,9 @@ def shortlist(
     without workers when the configured run has some; each other change applied to the
     configured loader settings, and to the best loader candidate. Ordered by the share
     of the configured run's step that each one's stage took (``phases``, the run's own
-    phase table): data wait for the loader and the cache, the optimizer for the fused
-    kernel, half of compute for the thread count.
+    phase table): data wait for the loader and the cache (the cache first when
+    ``cache_first``), the optimizer for the fused kernel, half of compute for the thread
+    count.
     """
     others = [c for c in ranked if c != baseline]
     picked = others[:loaders]
@@ -159,7 +161,9 @@ def shortlist(
     best = loaders_first[0] if loaders_first else None
     for change in changes:
         # Another thread count wins only where threads oversubscribe: half the weight.
-        weight = {"cache": wait, "fused": phases.get("optimizer", 0.0), "threads": compute / 2}
+        # A cache ahead of the best loader candidate when its estimate wins (cache_first).
+        cache = wait * (1.05 if cache_first else 1.0)
+        weight = {"cache": cache, "fused": phases.get("optimizer", 0.0), "threads": compute / 2}
         score = max(weight[key] for key in change)
         base = baseline
         if "cache" in change and baseline.num_workers:

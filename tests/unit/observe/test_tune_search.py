@@ -14,7 +14,7 @@ from stoker.errors import ConfigError
 from stoker.observe.fetch_cost import FetchFigures
 from stoker.observe.halving import Candidate, likeliest_first, search_space, successive_halving
 from stoker.observe.short_run import PipelineFigures
-from stoker.observe.tune_plan import likely_workers, run_steps
+from stoker.observe.tune_plan import cache_first, likely_workers, run_steps
 from stoker.observe.tune_search import (
     Facts,
     other_changes,
@@ -434,3 +434,24 @@ def test_a_race_run_is_stopped_at_half_again_its_share() -> None:
     )
     # The screen's share is 55% of 20 s over 2: 5.5 s; before, the run could take all 20.
     assert ends[0] == pytest.approx(1.5 * 5.5)
+
+
+def test_a_cache_is_raced_first_when_its_estimate_beats_the_best_loader() -> None:
+    # Too many CPU-bound workers: 570 samples/s, 85% data wait, 1,024 samples at 0.4 ms.
+    calibration = dataclasses.replace(
+        figures(570.0, steps=10, step_s=64 / 570, overhead_s=0.0),
+        phases={"data_wait": 0.85, "forward": 0.1, "optimizer": 0.05},
+    )
+    cpu_bound = FetchFigures(0.0004, 1.0, None, None, False, fill_per_sample_s=0.0004)
+    kwargs = {"length": 1024, "epochs": 2}
+    # Cached: 3.6 s of epochs become a 0.4 s fill and 0.5 s; 2 workers reach ~1,300/s.
+    assert cache_first(cpu_bound, calibration, **kwargs, loader_rate=1_300.0)
+    # A loader alone 3x faster, against a fill that costs most of an epoch: loader first.
+    waits = dataclasses.replace(cpu_bound, fill_per_sample_s=0.0015)
+    assert not cache_first(waits, calibration, **kwargs, loader_rate=1_800.0)
+    assert not cache_first(None, calibration, **kwargs, loader_rate=1_300.0)
+    ranked, changes = [Candidate(2), Candidate(8)], [{"cache": "memory"}]
+    phases = {"data_wait": 0.85}
+    first = shortlist(ranked, Candidate(8), changes, phases=phases, cache_first=True)
+    assert first[0] == Candidate(0, cache="memory")
+    assert shortlist(ranked, Candidate(8), changes, phases=phases)[0] == Candidate(2)
