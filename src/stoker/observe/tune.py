@@ -366,7 +366,10 @@ def tune(
                 calibration,
                 length=length_or_none(pipeline.train_data),
                 epochs=config.train.epochs,
-                loader_rate=max((t.samples_per_s for t in halving.trials), default=0.0),
+                loader_rate=max(
+                    (t.samples_per_s for t in halving.trials if t.candidate.num_workers),
+                    default=0.0,
+                ),
             ),
             deadline=started + DEADLINE_SHARE * budget_s,
             say=say,

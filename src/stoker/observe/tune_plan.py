@@ -106,8 +106,9 @@ def cache_first(
 
     The estimates, over the run's ``epochs``: cached, the data wait (the calibration's
     phase table) is gone after a fill of ``length`` samples read in order; with the best
-    loader settings, the pipeline runs at the loader alone's ``loader_rate``, no faster
-    than compute. Only the order of the race: a tight budget runs the first only.
+    loader settings with workers, the pipeline runs at their loader alone's
+    ``loader_rate``, no faster than compute. Only the order of the race: a tight budget
+    runs the first only.
     """
     if fetch is None or not length or calibration.samples_per_s <= 0:
         return False
