@@ -344,13 +344,13 @@ def race(
     if baseline in finals and len(finals) > 1:
         pool = {c: sum(r.rate for r in rs) / len(rs) for c, rs in finals.items()}
         reference = finals[baseline][-1]
-    else:  # the configured settings did not run again: each one's longest run decides
+    else:  # no whole last round: the configured settings' latest run, the others' longest
+        reference = finals[baseline][-1] if baseline in finals else runs[0]
         longest = {c: max((r for r in runs if r.candidate == c), key=_steps) for c in first}
-        pool = {baseline: base_rate, **{c: run.rate for c, run in longest.items()}}
-        reference = runs[0]
+        pool = {baseline: reference.rate, **{c: run.rate for c, run in longest.items()}}
         finals = {c: [run] for c, run in longest.items()}
     best = max(pool, key=lambda c: (pool[c], -len(c.settings())))
-    winner_run = finals[best][-1] if best in finals else runs[0]
+    winner_run = finals[best][-1] if best in finals else reference
     gain = pool[best] / pool[baseline] if pool[baseline] > 0 else 1.0
     return PipelineRace(
         runs=tuple(runs),

@@ -455,3 +455,32 @@ def test_a_cache_is_raced_first_when_its_estimate_beats_the_best_loader() -> Non
     first = shortlist(ranked, Candidate(8), changes, phases=phases, cache_first=True)
     assert first[0] == Candidate(0, cache="memory")
     assert shortlist(ranked, Candidate(8), changes, phases=phases)[0] == Candidate(2)
+
+
+def test_without_a_whole_last_round_the_configured_settings_latest_run_is_the_reference() -> None:
+    clock = [0.0]
+    baseline, fused = Candidate(0), Candidate(0, fused=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        if candidate == baseline:  # the machine got busier: it runs to its end, at half speed
+            clock[0] = until
+            return figures(320.0, steps=steps, step_s=0.2, overhead_s=0.3)
+        clock[0] += 0.3 + steps * 64 / 960
+        return figures(960.0, steps=steps, step_s=64 / 960, overhead_s=0.3)
+
+    result = race(
+        [fused],
+        baseline,
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
+        measure,
+        deadline=4.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 5,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    assert [(r.candidate == fused, r.round) for r in result.runs[1:]] == [(True, 1), (False, 2)]
+    # Before: against the calibration (640), 1.5x; against the later run beside it, 3x.
+    assert result.gain == pytest.approx(3.0)
+    assert result.baseline_figures.samples_per_s == 320.0
