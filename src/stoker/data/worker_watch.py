@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ from stoker.data.worker_faults import (
     is_transport_error,
     worker_error,
 )
+from stoker.data.worker_stop import quiet_pids as _quiet_pids
+from stoker.data.worker_stop import release_workers, stop_workers_with
 from stoker.errors import DataError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WorkerInit", "WorkerWatch", "poll_interval"]
@@ -123,6 +126,10 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         """Run first in loader worker ``worker_id``: stack dumps on, stop signals ignored."""
+        # What the worker inherited is the training process's: its garbage collector must
+        # not finalize it. A forked copy of another loader's iterator, garbage in a cycle,
+        # ran PyTorch's shutdown here, on that loader's queues, from the wrong process.
+        gc.freeze()
         if self.directory is not None:
             self._write_stacks_on_fault(worker_id)
         # Last: PyTorch's worker handlers (set again above) include one for SIGTERM that
@@ -191,8 +198,6 @@ def _dead(workers: list[Any], *, wait_s: float) -> list[tuple[int, int | None, i
 # --- the watch over one loader's workers -------------------------------------------------
 
 _WATCHES: weakref.WeakSet[WorkerWatch] = weakref.WeakSet()
-# Workers whose end needs no (further) error: reported already, or ended by a watch.
-_quiet_pids: set[int] = set()
 _sigchld_wrapped = False
 
 
@@ -228,6 +233,7 @@ class WorkerWatch:
         with stop_signals_blocked():  # the workers fork here (the first pass, or each one)
             iterator = iter(self.dataloader)
         self._iterator = weakref.ref(iterator)
+        stop_workers_with(iterator)
         _quiet_pids.difference_update(w.pid for w in getattr(iterator, "_workers", ()))
         _wrap_sigchld_handler()
         waiting_since = time.monotonic()
@@ -246,7 +252,14 @@ class WorkerWatch:
                 raise fault from error
             finally:
                 self._in_next = False
-            yield batch
+            try:
+                yield batch
+            except GeneratorExit:
+                # The pass is left early: workers that are not kept for the next pass
+                # stop now, before PyTorch's shutdown joins each one for up to 5 s.
+                if not self.dataloader.persistent_workers:
+                    release_workers(iterator)
+                raise
             waiting_since = time.monotonic()
 
     def _overdue(self, since: float) -> bool:
@@ -328,6 +341,7 @@ class WorkerWatch:
             return
         # The ends that shutting down brings (or that were reported) raise nothing more.
         _quiet_pids.update(w.pid for w in getattr(iterator, "_workers", ()))
+        release_workers(iterator)  # stopped, or killed after _STOP_WAIT_S
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()

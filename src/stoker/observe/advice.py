@@ -348,8 +348,28 @@ def settle(diagnosis: Diagnosis, confirmed: dict[str, float]) -> Diagnosis:
         key=lambda c: -c.confirmed_gain,  # type: ignore[operator]
     )
     best = winners[0] if winners else None
+    verdict, bottleneck, reason = diagnosis.verdict, diagnosis.bottleneck, diagnosis.reason
+    m = diagnosis.measurements
+    loader, compute = m.configured_loader_rate, m.compute_samples_per_s
+    if (
+        best is None
+        and verdict in ("input-bound", "partly input-bound")
+        and compute <= loader < BALANCED_RATIO * compute
+    ):
+        # The loader alone keeps up, and no loader setting ran faster: the wait is the two
+        # stages sharing the cores and each batch's jitter, not a loader too slow (a wait
+        # of 21% here was called input-bound, with no setting to offer).
+        verdict, bottleneck = "balanced", _BOTTLENECK["balanced"]
+        reason = (
+            f"{reason}; the loader alone keeps up with compute ({loader:,.0f} vs "
+            f"{compute:,.0f} samples/s) and no setting ran faster: the wait is the two "
+            "sharing the machine"
+        )
     return dataclasses.replace(
         diagnosis,
+        verdict=verdict,
+        bottleneck=bottleneck,
+        reason=reason,
         recommendation=_words(winners, list(diagnosis.code_advice), confirmed=True),
         recommended_loader=_loader_keys(best.settings if best else {}),
         settings=dict(best.settings) if best else {},

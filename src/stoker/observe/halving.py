@@ -17,6 +17,7 @@ __all__ = [
     "Measure",
     "Trial",
     "halving_cost",
+    "likeliest_first",
     "search_space",
     "successive_halving",
 ]
@@ -262,6 +263,30 @@ def _fit(
     if need <= 0:
         return 1.0
     return min(1.0, max(0.1, room / need))
+
+
+def likeliest_first(space: Sequence[Candidate], workers: int) -> list[Candidate]:
+    """``space`` with the baseline first, then ``workers`` (default knobs, then
+    persistent), then each group of equal knobs with its worker counts nearest
+    ``workers`` first: a deadline drops the last, and a tight budget measures only a few.
+    """
+    if not space:
+        return []
+    baseline, rest = space[0], list(space[1:])
+    pin = baseline.pin_memory
+    front = [Candidate(workers, None, False, pin), Candidate(workers, None, True, pin)]
+    groups: dict[tuple[Any, ...], list[Candidate]] = {}
+    for candidate in rest:
+        knobs = dataclasses.replace(candidate, num_workers=0)
+        groups.setdefault(dataclasses.astuple(knobs), []).append(candidate)
+
+    def distance(candidate: Candidate) -> float:
+        return abs(math.log2((candidate.num_workers + 1) / (workers + 1)))
+
+    ordered = [c for group in groups.values() for c in sorted(group, key=distance)]
+    if not any(c.num_workers for c in ordered):
+        front = []  # workers are not searched (in-memory arrays)
+    return list(dict.fromkeys([baseline, *front, *ordered]))
 
 
 def halving_cost(count: int, *, eta: int = 4, rounds: int = 3) -> float:

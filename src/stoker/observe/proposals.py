@@ -166,7 +166,8 @@ def cache_change(m: Measurements) -> Change | None:
         if m.num_workers
         else serial_rate(cached_loader, m.compute_samples_per_s)
     )
-    fill_s = n * f.per_sample_s
+    fill_sample_s = f.fill_per_sample_s or f.per_sample_s  # read in order, as the fill does
+    fill_s = n * fill_sample_s
     run_now = m.epochs * n / now
     run_cached = fill_s + m.epochs * n / cached
     gain = run_now / run_cached
@@ -183,7 +184,7 @@ def cache_change(m: Measurements) -> Change | None:
         predicted_gain=gain,
         cost=(
             f"filling the cache costs about {fill_s:.1f} s once ({n:,} samples at "
-            f"{f.per_sample_s * 1e3:.2f} ms, one at a time in the training process): the "
+            f"{fill_sample_s * 1e3:.2f} ms, in order, in the training process): the "
             f"first epoch takes about {fill_s + n / cached:.1f} s, later ones about "
             f"{n / cached:.1f} s, against {epoch_now:.1f} s each now; the gain is over the "
             f"run's {m.epochs} epochs, and the decoded samples must fit in memory"

@@ -248,6 +248,7 @@ def measure_pipeline(
     loader_startup_s: float | None = None,
     thread_count: int | None = None,
     deadline: float | None = None,
+    min_steps: int = 0,
 ) -> PipelineFigures:
     """Train ``steps`` steps (over as many epochs as that takes) with stoker's own loop.
 
@@ -255,7 +256,7 @@ def measure_pipeline(
     of their data (no step limit), so each epoch's time holds what a real one does:
     worker start-up, the last batches, the workers' shutdown (``epoch_times``).
     A ``deadline`` (``time.perf_counter()``) stops the run after the step that passes
-    it; such a run is ``cut_short``.
+    it, though not before ``min_steps``; such a run is ``cut_short``.
 
     ``config``'s loader, optimizer and data settings are the ones measured; the
     pipeline's data (or ``dataset``), loss and collate are reused; ``model`` is
@@ -280,7 +281,7 @@ def measure_pipeline(
     skip = warmup_steps(config)
     # About eight windows per epoch: a record (a sync and a line written) is no per-step cost.
     log_every = max(1, min(steps, per_epoch) // 8)
-    stop = _Deadline(deadline, step_samples)
+    stop = _Deadline(deadline, step_samples, min_steps=min_steps)
     user = UserComponents(
         model=copy.deepcopy(model),
         train_data=data,
@@ -364,8 +365,9 @@ class _Deadline:
     """A callback that stops a short run after the step that passes ``at``, counting
     the steps and samples it saw (what is left of a run cut short)."""
 
-    def __init__(self, at: float | None, step_samples: int) -> None:
+    def __init__(self, at: float | None, step_samples: int, *, min_steps: int = 0) -> None:
         self.at = at
+        self.min_steps = min_steps
         self.step_samples = step_samples
         self.steps = 0
         self.started = 0.0
@@ -377,7 +379,8 @@ class _Deadline:
 
     def on_step_end(self, loop: Any, step: Any) -> None:
         self.steps += 1
-        if self.at is not None and time.perf_counter() >= self.at:
+        late = self.at is not None and time.perf_counter() >= self.at
+        if late and self.steps >= self.min_steps:
             self.stopped = True
             loop.request_stop("the tuner's deadline")
         self.elapsed = time.perf_counter() - self.started

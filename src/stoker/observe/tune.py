@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from stoker.config import RunConfig
 from stoker.data.loader_fast import serves_in_process
 from stoker.data.sources import length_or_none
@@ -25,6 +23,7 @@ from stoker.observe.halving import (
     Halving,
     Trial,
     halving_cost,
+    likeliest_first,
     search_space,
     successive_halving,
 )
@@ -37,13 +36,11 @@ from stoker.observe.short_run import (
 )
 from stoker.observe.stages import (
     PerSampleView,
-    burst_size,
-    copy_to,
     measure_fetch,
-    measure_loader,
     usable_cores,
-    warmup_batches,
 )
+from stoker.observe.tune_loader import WORKER_WARNING, LoaderMeasure
+from stoker.observe.tune_plan import cache_first, import_optimizer_stack, likely_workers
 from stoker.observe.tune_search import (
     PipelineRace,
     candidate_scale,
@@ -55,7 +52,7 @@ from stoker.observe.tune_search import (
     shortlist,
 )
 from stoker.observe.yaml_edit import write_loader_settings, write_settings
-from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline, build_train_loader
+from stoker.train.pipeline import Pipeline, UserComponents, build_pipeline
 
 __all__ = [
     "Candidate",
@@ -74,50 +71,6 @@ __all__ = [
 logger = logging.getLogger("stoker")
 
 #: The worker-count warning PyTorch gives above the core count: measuring that is the point.
-_WORKER_WARNING = ".*worker processes in total.*"
-
-
-class LoaderMeasure:
-    """``measure(candidate, seconds)``: the training loader alone with those settings.
-
-    With an accelerator each batch is also copied to it (non-blocking, then waited
-    for), so pinned memory shows its worth.
-    """
-
-    def __init__(self, config: RunConfig, pipeline: Pipeline, *, repeats: int = 3) -> None:
-        self.config = config
-        self.pipeline = pipeline
-        self.repeats = repeats
-
-    def __call__(self, candidate: Candidate, seconds: float) -> float:
-        """Samples/s of the loader alone with ``candidate``'s settings, over ``seconds``."""
-        pipeline = self.pipeline
-        data = PerSampleView(pipeline.train_data) if candidate.per_sample else pipeline.train_data
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-            loader = build_train_loader(
-                self.config,
-                data,
-                device=pipeline.device,
-                collate_fn=pipeline.collate_fn,
-                **candidate.overrides(),
-            )
-            rate = measure_loader(
-                loader,
-                seconds=seconds,
-                repeats=self.repeats,
-                warmup_batches=warmup_batches(candidate.num_workers, candidate.prefetch_factor),
-                burst=burst_size(candidate.num_workers, candidate.prefetch_factor),
-                consume=copy_to(pipeline.device),
-                # Warm-up and bursts included, a candidate costs at most twice its share.
-                max_s=2 * seconds + 0.05,
-            )
-        del loader
-        # Its workers stop now, in this measurement's time: a loader left for the garbage
-        # collector would stop in the middle of a later run, and workers forked before
-        # then inherit it (its shutdown then waits seconds on them).
-        gc.collect()
-        return rate.samples_per_s
 
 
 @dataclass(frozen=True)
@@ -234,19 +187,10 @@ def _asdict(figures: PipelineFigures | None) -> dict[str, Any] | None:
 #: The share of the budget (after building and calibrating) the loader-alone search gets
 #: when short training runs follow (they get the rest).
 SEARCH_SHARE = 0.2
+#: The most of the budget the first run, of the configured settings, may take.
+CALIBRATE_SHARE = 0.25
 #: The share of the budget the last training run may end by (tearing it down follows).
 DEADLINE_SHARE = 0.95
-
-
-def import_optimizer_stack() -> None:
-    """Build a throwaway optimizer before the budget's clock starts.
-
-    A process's first ``torch.optim`` optimizer imports the compiler stack (about 2 s
-    of CPU on 2 cores, 6 s on a busy machine): a one-off cost of the process, like
-    ``import torch``, which otherwise landed in the first timed run and took the budget
-    (a 3 s budget ended at 7-8 s under load).
-    """
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
 def tune(
@@ -289,7 +233,7 @@ def tune(
     timings: dict[str, float] = {}
     gc.collect()  # loaders left over in this process stop before any worker forks
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+        warnings.filterwarnings("ignore", message=WORKER_WARNING)
         pipeline = build_pipeline(config, user or UserComponents())
     model = copy.deepcopy(pipeline.model)
     device = pipeline.device
@@ -342,6 +286,7 @@ def tune(
         )
     timings["build_s"] = time.perf_counter() - started
     calibration = None
+    likely: Candidate | None = None
     changes: list[dict[str, Any]] = []
     if confirm:
         # The shortest run of the configured settings first: it times a step of the whole
@@ -349,8 +294,16 @@ def tune(
         say("timing a training step of the configured settings")
         mark = time.perf_counter()
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
-            calibration = measure_pipeline(config, pipeline, model, steps=warmup_steps(config) + 4)
+            warnings.filterwarnings("ignore", message=WORKER_WARNING)
+            calibration = measure_pipeline(
+                config,
+                pipeline,
+                model,
+                steps=warmup_steps(config) + 4,
+                # Many slow workers' prefetched burst took 4.4 s of an 8 s budget.
+                deadline=started + CALIBRATE_SHARE * budget_s,
+                min_steps=4,  # a step time to plan from, past the first
+            )
         timings["calibrate_s"] = time.perf_counter() - mark
         facts = facts_of(
             config, pipeline, model, fetch=fetch, calibration=calibration, in_memory=in_process
@@ -358,6 +311,19 @@ def tune(
         facts = dataclasses.replace(facts, left_s=budget_s - (time.perf_counter() - started))
         changes, skipped = other_changes(facts)
         notes.extend(skipped)
+        workers = likely_workers(
+            fetch,
+            calibration,
+            batch_size=loader_cfg.batch_size,
+            cores=usable_cores(),
+            cap=max_workers,
+            batches=calibration.epoch_samples // loader_cfg.batch_size or None,
+        )
+        if workers is not None and not in_process:
+            # Measured first, and raced: a tight budget measures only a few of the
+            # ~20 worker counts, each for a moment (too short for many workers).
+            space = likeliest_first(space, workers)
+            likely = Candidate(workers, None, True, baseline.pin_memory)
     left_s = budget_s - (time.perf_counter() - started)
     search_budget = max(0.1, left_s * (SEARCH_SHARE if confirm else 0.9))
     if len(space) == 1:
@@ -394,12 +360,23 @@ def tune(
             model,
             calibration,
             changes=changes,
+            likely=likely,
+            cache_first=cache_first(
+                fetch,
+                calibration,
+                length=length_or_none(pipeline.train_data),
+                epochs=config.train.epochs,
+                loader_rate=max(
+                    (t.samples_per_s for t in halving.trials if t.candidate.num_workers),
+                    default=0.0,
+                ),
+            ),
             deadline=started + DEADLINE_SHARE * budget_s,
             say=say,
         )
         timings["training_runs_s"] = time.perf_counter() - mark
     winner = result.winner
-    if winner.per_sample:
+    if result.halving.winner.per_sample:
         notes.append("per-sample fetch measured faster than batched fetch for this dataset")
     settings = {} if result.rejected else changed_settings(config, baseline, winner, cuda=cuda)
     if "loader.batch_size" in settings:
@@ -434,6 +411,8 @@ def confirm_by_training(
     changes: list[dict[str, Any]],
     deadline: float,
     say: Callable[[str], None],
+    likely: Candidate | None = None,
+    cache_first: bool = False,
 ) -> TuneResult:
     """The race of short training runs (see :func:`stoker.observe.tune_search.race`) over
     the best loader candidates and the other changes; a winner not more than 5% faster
@@ -443,8 +422,15 @@ def confirm_by_training(
         dict.fromkeys(t.candidate for t in halving.trials),
         key=lambda c: (-(halving.last_trial(c).samples_per_s), c.cost()),  # type: ignore[union-attr]
     )
-    ranked = list(dict.fromkeys([result.winner, *ranked]))
-    candidates = shortlist(ranked, result.baseline, changes, phases=calibration.phases)
+    # The worker count the figures say keeps up with the step (persistent) is raced
+    # second whatever the loader alone measured of it in its moment.
+    ranked = list(dict.fromkeys([result.winner, *([likely] if likely else []), *ranked]))
+    # Per-sample fetch of a batched dataset has no setting to write: a winner raced with
+    # it would predict a speed the written settings do not give.
+    ranked = [c for c in ranked if not c.per_sample]
+    candidates = shortlist(
+        ranked, result.baseline, changes, phases=calibration.phases, cache_first=cache_first
+    )
     say(f"racing {len(candidates)} candidates and the current settings in short training runs")
     cached: dict[str, tuple[Any, float]] = {}
 
@@ -454,10 +440,13 @@ def confirm_by_training(
         fill_s = 0.0
         if candidate.cache == "memory":
             if "memory" not in cached:  # filled once, its time charged to every run
+                filling = time.perf_counter()
                 cached["memory"] = cached_data(run_config, pipeline.train_data)
+                # Charged as prepare_s, not its steps' time (a fill cut its run to 1 step).
+                until = min(deadline, until + time.perf_counter() - filling)
             data, fill_s = cached["memory"]
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_WORKER_WARNING)
+            warnings.filterwarnings("ignore", message=WORKER_WARNING)
             figures = measure_pipeline(
                 run_config, pipeline, model, steps=steps, dataset=data, deadline=until
             )

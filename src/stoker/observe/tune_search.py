@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from stoker.observe.halving import Candidate
 from stoker.observe.proposals import CHEAP_SAMPLE_S, MIN_GAIN
 from stoker.observe.short_run import PipelineFigures, apply_settings
 from stoker.observe.stages import usable_cores
+from stoker.observe.tune_plan import fitting, run_steps, step_s_of
 from stoker.train.optim import build_optimizer
 from stoker.train.pipeline import Pipeline
 
@@ -31,7 +31,6 @@ __all__ = [
     "changed_settings",
     "config_with",
     "facts_of",
-    "fitting",
     "other_changes",
     "race",
     "run_steps",
@@ -50,6 +49,8 @@ MAX_FINAL_ROUNDS = 3
 FIRST_OVERHEAD_S = 0.5
 #: Candidates besides the configured settings measured again, longer, in the last round.
 FINALISTS = 1
+#: A race run is stopped at this multiple of its planned seconds.
+RUN_SLACK = 1.5
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class Facts:
         free_bytes: Memory available.
         epochs: ``train.epochs``.
         left_s: The tuner's time left.
+        fill_sample_s: ``dataset[i]`` per sample read in order, as a cache's fill reads
+            (None: ``per_sample_s``).
     """
 
     device: str
@@ -86,6 +89,7 @@ class Facts:
     free_bytes: int | None
     epochs: int
     left_s: float
+    fill_sample_s: float | None = None
 
 
 def other_changes(facts: Facts) -> tuple[list[dict[str, Any]], list[str]]:
@@ -100,7 +104,7 @@ def other_changes(facts: Facts) -> tuple[list[dict[str, Any]], list[str]]:
     notes: list[str] = []
     if facts.cache == "none" and facts.length and not facts.in_memory:
         cheap = facts.per_sample_s is not None and facts.per_sample_s < CHEAP_SAMPLE_S
-        fill_s = facts.length * (facts.per_sample_s or 0.0)
+        fill_s = facts.length * (facts.fill_sample_s or facts.per_sample_s or 0.0)
         size = facts.length * facts.sample_bytes if facts.sample_bytes else None
         if facts.epochs < 2 and not cheap:
             pass  # one epoch: filling the cache costs what the epoch would
@@ -133,6 +137,7 @@ def shortlist(
     *,
     phases: dict[str, float],
     loaders: int = 2,
+    cache_first: bool = False,
 ) -> list[Candidate]:
     """The race's candidates, likeliest first (a tight budget drops the last).
 
@@ -140,8 +145,9 @@ def shortlist(
     without workers when the configured run has some; each other change applied to the
     configured loader settings, and to the best loader candidate. Ordered by the share
     of the configured run's step that each one's stage took (``phases``, the run's own
-    phase table): data wait for the loader and the cache, the optimizer for the fused
-    kernel, half of compute for the thread count.
+    phase table): data wait for the loader and the cache (the cache first when
+    ``cache_first``), the optimizer for the fused kernel, half of compute for the thread
+    count.
     """
     others = [c for c in ranked if c != baseline]
     picked = others[:loaders]
@@ -155,7 +161,9 @@ def shortlist(
     best = loaders_first[0] if loaders_first else None
     for change in changes:
         # Another thread count wins only where threads oversubscribe: half the weight.
-        weight = {"cache": wait, "fused": phases.get("optimizer", 0.0), "threads": compute / 2}
+        # A cache ahead of the best loader candidate when its estimate wins (cache_first).
+        cache = wait * (1.05 if cache_first else 1.0)
+        weight = {"cache": cache, "fused": phases.get("optimizer", 0.0), "threads": compute / 2}
         score = max(weight[key] for key in change)
         base = baseline
         if "cache" in change and baseline.num_workers:
@@ -167,31 +175,6 @@ def shortlist(
             scored.append((0.5 * score, dataclasses.replace(best, **change)))
     ordered = [c for _, c in sorted(scored, key=lambda pair: -pair[0])]
     return [c for c in dict.fromkeys(ordered) if c != baseline]
-
-
-def run_steps(
-    seconds: float,
-    *,
-    overhead_s: float,
-    step_s: float,
-    fewest: int,
-    epoch_steps: int | None,
-    epochs: int,
-) -> int | None:
-    """Steps for one short run that fits in ``seconds``, its fixed cost included.
-
-    Whole epochs when at least one fits (their times are then a real run's: start-up
-    and shutdown inside), never more than the run's ``epochs`` (that is the real run);
-    else as many steps as fit. None when not even ``fewest`` fit.
-    """
-    if step_s <= 0 or not math.isfinite(step_s):
-        return None
-    steps = int((seconds - overhead_s) / step_s)
-    if steps < fewest:
-        return None
-    if epoch_steps and steps >= epoch_steps:
-        return min(steps // epoch_steps, max(epochs, 1)) * epoch_steps
-    return steps
 
 
 @dataclass(frozen=True)
@@ -256,7 +239,7 @@ def race(
     deadline whatever its plan. When two or more changes each win, they are tried
     together.
     """
-    step_s: dict[Candidate, float] = {baseline: _step_s(calibration)}
+    step_s: dict[Candidate, float] = {baseline: step_s_of(calibration)}
     # A run's fixed cost: the calibration's, but no more than FIRST_OVERHEAD_S (the first
     # run of a process also pays one-time imports), then the mean of the race's runs.
     overheads: list[float] = []
@@ -275,16 +258,24 @@ def race(
             epochs=epochs,
         )
 
+    def least(candidate: Candidate) -> float:
+        """Seconds of the candidate's fewest steps, its fixed cost included."""
+        each = step_s.get(candidate, step_s[baseline] * scale(candidate))
+        return overhead + fewest(candidate) * each
+
     def one(candidate: Candidate, round_index: int, seconds: float) -> RaceRun | None:
         nonlocal overhead
         steps = plan(candidate, seconds)
         if steps is None:
             return None
-        figures = measure(candidate, steps, deadline)
+        # Stopped at half again its share: a candidate that much slower than planned
+        # (threads spinning on a busy machine: 10x) is losing, and must not take the
+        # others' time (one took 5.8 s of a 1 s share).
+        figures = measure(candidate, steps, min(deadline, clock() + RUN_SLACK * seconds))
         if figures is None:
             return None
         if not figures.cut_short:
-            step_s[candidate] = _step_s(figures)
+            step_s[candidate] = step_s_of(figures)
             overheads.append(max(0.0, figures.wall_s - figures.epoch_s))
             overhead = sum(overheads) / len(overheads)
         run = RaceRun(candidate, round_index, figures, figures.run_rate(epochs))
@@ -294,10 +285,12 @@ def race(
     # Round 1: as many candidates as fit, likeliest first, each briefly.
     screen_end = clock() + SCREEN_SHARE * max(0.0, deadline - clock())
     todo = list(dict.fromkeys(c for c in candidates if c != baseline))
-    fits = fitting(
-        [overhead + fewest(c) * step_s[baseline] * scale(c) for c in todo],
-        screen_end - clock(),
-    )
+    costs = [overhead + fewest(c) * step_s[baseline] * scale(c) for c in todo]
+    fits = fitting(costs, screen_end - clock())
+    if not fits and costs and costs[0] <= deadline - clock():
+        # A race of the configured settings alone decides nothing: the likeliest
+        # candidate gets the time left, and the first round decides.
+        fits, screen_end = 1, deadline
     dropped.extend(todo[fits:])
     todo = todo[:fits]
     base_rate = runs[0].rate
@@ -307,7 +300,10 @@ def race(
     while index < len(todo):
         candidate = todo[index]
         left = len(todo) - index + spare
-        run = one(candidate, 1, (screen_end - clock()) / left)
+        # An equal share, or the candidate's fewest steps when the share is shorter (the
+        # likeliest first get their run; a later one that no longer fits is dropped).
+        seconds = min(max((screen_end - clock()) / left, least(candidate)), screen_end - clock())
+        run = one(candidate, 1, seconds)
         if run is None:
             dropped.append(candidate)
         else:
@@ -326,10 +322,21 @@ def race(
     finals: dict[Candidate, list[RaceRun]] = {}
     for round_index in range(2, 2 + MAX_FINAL_ROUNDS):
         share = (deadline - clock()) / len(order)
-        if round_index > 2 and any(plan(c, share) is None for c in order):
-            break  # another whole round does not fit
+        if round_index > 2 and any(
+            (plan(c, share) or 0) < finals[c][-1].figures.steps for c in order
+        ):
+            # Another round as long as the last does not fit: shorter runs weigh each
+            # run's fixed costs more (a first optimizer step, a cold cache), the faster
+            # candidate's most, and averaged in they under-predicted its speed-up.
+            break
         for position, candidate in enumerate(order):
-            run = one(candidate, round_index, (deadline - clock()) / (len(order) - position))
+            seconds = (deadline - clock()) / (len(order) - position)
+            if candidate == baseline and round_index == 2:
+                # Its fewest steps at least: the configured settings' only other run is
+                # the calibration, the process's first (one-off costs in it: a 1.85x
+                # predicted, 1.13x real), and a comparison without them decides nothing.
+                seconds = min(max(seconds, least(candidate)), deadline - clock())
+            run = one(candidate, round_index, seconds)
             if run is not None:
                 finals.setdefault(candidate, []).append(run)
         if len(finals) < len(order):
@@ -337,15 +344,13 @@ def race(
     if baseline in finals and len(finals) > 1:
         pool = {c: sum(r.rate for r in rs) / len(rs) for c, rs in finals.items()}
         reference = finals[baseline][-1]
-    else:  # the last round did not fit: the first round decides
-        pool = {baseline: base_rate, **first}
-        reference = runs[0]
+    else:  # no whole last round: the configured settings' latest run, the others' longest
+        reference = finals[baseline][-1] if baseline in finals else runs[0]
+        longest = {c: max((r for r in runs if r.candidate == c), key=_steps) for c in first}
+        pool = {baseline: reference.rate, **{c: run.rate for c, run in longest.items()}}
+        finals = {c: [run] for c, run in longest.items()}
     best = max(pool, key=lambda c: (pool[c], -len(c.settings())))
-    winner_run = (
-        finals[best][-1]
-        if best in finals
-        else next(r for r in reversed(runs) if r.candidate == best)
-    )
+    winner_run = finals[best][-1] if best in finals else reference
     gain = pool[best] / pool[baseline] if pool[baseline] > 0 else 1.0
     return PipelineRace(
         runs=tuple(runs),
@@ -357,22 +362,8 @@ def race(
     )
 
 
-def fitting(costs: Sequence[float], seconds: float) -> int:
-    """How many of the runs costing ``costs`` (in order) fit in ``seconds``, keeping
-    room for the winners together when three or more fit."""
-    count, total = 0, 0.0
-    for cost in costs:
-        if total + cost > seconds:
-            break
-        total += cost
-        count += 1
-    if count >= 3 and total + max(costs[:count]) > seconds:
-        count -= 1  # room for the winners together
-    return count
-
-
-def _step_s(figures: PipelineFigures) -> float:
-    return figures.epoch_s / max(figures.steps, 1)
+def _steps(run: RaceRun) -> int:
+    return run.figures.steps
 
 
 def _together(
@@ -442,6 +433,7 @@ def facts_of(
         length=length,
         in_memory=in_memory or isinstance(data, ArrayDataset),
         per_sample_s=fetch.per_sample_s if fetch is not None else None,
+        fill_sample_s=fetch.fill_per_sample_s if fetch is not None else None,
         sample_bytes=_sample_bytes(data) if length else None,
         free_bytes=psutil.virtual_memory().available,
         epochs=config.train.epochs,

@@ -139,6 +139,26 @@ def test_a_run_whose_loader_and_compute_are_close_is_balanced_with_nothing_to_se
     assert "no setting stoker can change" in diagnosis.recommendation
 
 
+def test_a_wait_over_20pct_with_a_loader_that_keeps_up_and_nothing_faster_is_balanced() -> None:
+    # Loader alone 3,098 vs compute 2,720 samples/s; the pipeline waits 21% of the time.
+    diagnosis = diagnose(
+        measured(
+            num_workers=4,
+            loader=points(w0=900, w2=1_600, w4=3_098, w8=5_000),
+            compute_samples_per_s=2_720.0,
+            pipeline=pipeline(2_368.0, 0.21),
+            fetch=fetch(1e-3, cpu_share=0.07),
+        )
+    )
+    assert diagnosis.verdict == "input-bound"  # by the wait alone, before the short runs
+    settled = settle(diagnosis, {c.label(): 1.01 for c in diagnosis.changes})
+    assert settled.verdict == "balanced" and settled.bottleneck == "compute"
+    assert "keeps up with compute (3,098 vs 2,720" in settled.reason
+    # A loader slower than compute stays the bottleneck, confirmed or not.
+    slow = diagnose(measured(loader=points(w0=1_000), pipeline=pipeline(1_000.0, 0.8)))
+    assert settle(slow, {}).verdict != "balanced"
+
+
 def test_nothing_below_the_minimum_gain_is_proposed() -> None:
     diagnosis = diagnose(
         measured(

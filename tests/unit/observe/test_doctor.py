@@ -341,6 +341,38 @@ def test_measure_fetch_tells_waiting_from_computing() -> None:
     assert batched.batched_per_sample_s is not None
 
 
+class _Blocks(Dataset):
+    """Decodes a block of 16 samples per miss (2 ms), as a Parquet row group."""
+
+    def __init__(self) -> None:
+        self.block = -1
+
+    def __len__(self) -> int:
+        return 1024
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index // 16 != self.block:
+            time.sleep(0.002)
+            self.block = index // 16
+        return torch.zeros(2)
+
+
+def test_a_cache_fill_is_costed_in_order_as_it_reads() -> None:
+    figures = measure_fetch(_Blocks(), batch_size=8, collate_fn=None, seconds=0.15)
+    assert figures is not None and figures.fill_per_sample_s is not None
+    # Random reads decode a block each; the fill reads 16 samples per block.
+    assert figures.per_sample_s >= 0.002
+    assert figures.fill_per_sample_s < figures.per_sample_s / 3
+    m = measurements(dataset_length=2048, epochs=10)
+    slow_random = dataclasses.replace(m.fetch, per_sample_s=0.002, fill_per_sample_s=0.0002)
+    cache = next(
+        c
+        for c in diagnose(dataclasses.replace(m, fetch=slow_random)).changes
+        if "data.cache" in c.settings
+    )
+    assert "about 0.4 s once" in cache.cost  # 2048 at 0.2 ms, not at 2 ms (4.1 s)
+
+
 @pytest.mark.skipif(
     not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux scheduler statistics"
 )

@@ -339,3 +339,56 @@ def test_tune_keeps_to_its_budget_and_says_a_new_batch_size_changes_the_optimisa
     if "loader.batch_size" in result.settings:
         note = next(n for n in result.notes if "loader.batch_size" in n)
         assert "changes the optimisation" in note and "optim.lr=" in note
+
+
+def test_a_cache_fill_does_not_count_against_its_race_runs_time(monkeypatch) -> None:
+    from stoker.observe import tune as tune_module
+    from stoker.observe.halving import Halving
+
+    deadlines: list[float] = []
+
+    def fill(config, data):  # a fill of 0.3 s
+        time.sleep(0.3)
+        return data, 0.3
+
+    def run(*args, deadline=None, **kwargs):
+        deadlines.append(deadline)
+        raise StopIteration  # enough: the deadline the run got is what is checked
+
+    def fake_race(candidates, baseline, calibration, measure, **kwargs):
+        measure(Candidate(0, cache="memory"), 5, time.perf_counter() + 0.1)
+
+    monkeypatch.setattr(tune_module, "cached_data", fill)
+    monkeypatch.setattr(tune_module, "measure_pipeline", run)
+    monkeypatch.setattr(tune_module, "race", fake_race)
+    monkeypatch.setattr(tune_module, "shortlist", lambda *a, **k: [])
+    monkeypatch.setattr(tune_module, "config_with", lambda config, candidate: config)
+
+    class Pipe:
+        train_data = tuple(range(10))
+
+    halving = Halving(winner=Candidate(0), trials=(), abandoned={}, spent_s=0.0)
+    result = tune_module.TuneResult(
+        baseline=Candidate(0),
+        winner=Candidate(0),
+        halving=halving,
+        settings={},
+        notes=(),
+        search_s=0.0,
+        final_s=0.0,
+        epochs=2,
+    )
+    started = time.perf_counter()
+    with pytest.raises(StopIteration):
+        tune_module.confirm_by_training(
+            result,
+            None,
+            Pipe(),
+            None,
+            argparse.Namespace(phases={}),
+            changes=[],
+            deadline=started + 10,
+            say=lambda line: None,
+        )
+    # Before: the run had 0.1 s left after its 0.3 s fill, and stopped after 1 step.
+    assert deadlines[0] >= started + 0.35

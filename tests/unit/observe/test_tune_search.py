@@ -11,13 +11,14 @@ import yaml
 
 from stoker.config import load_config
 from stoker.errors import ConfigError
-from stoker.observe.halving import Candidate, successive_halving
+from stoker.observe.fetch_cost import FetchFigures
+from stoker.observe.halving import Candidate, likeliest_first, search_space, successive_halving
 from stoker.observe.short_run import PipelineFigures
+from stoker.observe.tune_plan import cache_first, likely_workers, run_steps
 from stoker.observe.tune_search import (
     Facts,
     other_changes,
     race,
-    run_steps,
     shortlist,
 )
 from stoker.observe.yaml_edit import write_settings
@@ -269,3 +270,217 @@ def test_write_settings_writes_every_key_of_the_winner_keeping_comments_and_styl
         write_settings(path, {"optim.fuse": True})
     with pytest.raises(ConfigError, match="not a setting stoker can write"):
         write_settings(path, {"model.name": "x"})
+
+
+def test_likely_workers_keep_up_with_the_step_past_the_cores_when_the_fetch_waits() -> None:
+    # 64 fetches of 1 ms per batch against 10 ms of compute: 7 workers keep up.
+    calibration = dataclasses.replace(
+        figures(640.0, steps=10, step_s=0.1, overhead_s=0.0),
+        phases={"forward": 0.05, "backward": 0.04, "optimizer": 0.01, "data_wait": 0.9},
+    )
+    waits = FetchFigures(0.001, 0.05, None, None, False)  # 5% CPU: an I/O wait
+    busy = dataclasses.replace(waits, cpu_share=1.0)
+    kwargs = {"batch_size": 64, "cores": 2, "cap": 16}
+    assert likely_workers(waits, calibration, **kwargs) == 7
+    assert likely_workers(busy, calibration, **kwargs) == 2  # CPU-bound: no more than cores
+    # Each worker pays its start back over at least 4 batches of the epoch.
+    assert likely_workers(waits, calibration, **kwargs, batches=12) == 3
+    assert likely_workers(None, calibration, **kwargs) is None
+
+
+def test_likeliest_first_measures_the_likely_count_and_its_neighbours_first() -> None:
+    space = search_space(cores=2, baseline=Candidate(2), cuda=False, batched=False, cpu_share=0.05)
+    ordered = likeliest_first(space, 8)
+    assert sorted(ordered, key=repr) == sorted({*space, Candidate(8, None, True)}, key=repr)
+    assert ordered[:3] == [Candidate(2), Candidate(8), Candidate(8, None, True)]
+    counts = [c.num_workers for c in ordered[3:8]]
+    assert counts[:2] in ([4, 16], [16, 4])  # the neighbours before 0, 1, 2
+    assert likeliest_first(space, 8) != space  # before: 0, 1, 2, 3 first
+
+
+def test_race_runs_the_likeliest_candidate_when_its_screen_share_is_too_short() -> None:
+    clock = [0.0]
+    fast, slow = Candidate(8, persistent_workers=True), Candidate(16)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        rate = 300.0 if candidate == fast else 100.0
+        clock[0] += 0.3 + steps * 64 / rate
+        return figures(rate, steps=steps, step_s=64 / rate, overhead_s=0.3)
+
+    calibration = figures(100.0, steps=5, step_s=0.64, overhead_s=0.3)
+    result = race(
+        [fast, slow],
+        Candidate(2),
+        calibration,
+        measure,
+        deadline=4.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    # The screen (55% of 4 s) is short of 3 steps and the start (2.2 s): before, both were
+    # dropped and the configured settings raced alone; now the first gets the time left.
+    assert fast not in result.dropped and slow in result.dropped
+    assert result.winner == fast
+
+
+def test_race_repeats_a_final_round_only_as_long_as_the_last() -> None:
+    clock = [0.0]
+    baseline, fused = Candidate(0), Candidate(0, fused=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        step_s = 0.1 if candidate == baseline else 0.05
+        clock[0] += 0.05 + steps * step_s / 2  # runs take half the time planned
+        return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.05)
+
+    result = race(
+        [fused],
+        baseline,
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.05),
+        measure,
+        deadline=10.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    finals = [run for run in result.runs if run.round >= 2]
+    # 3.2 s were left after the second round: room for 15 and 31 steps, shorter than its
+    # 42 and 128; such runs weigh fixed costs more and are not averaged in.
+    assert [run.round for run in finals] == [2, 2]
+
+
+def test_race_predicts_from_each_candidates_longest_run_when_the_baseline_cannot_rerun() -> None:
+    clock = [0.0]
+    baseline, workers = Candidate(2), Candidate(8, persistent_workers=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        clock[0] += 0.3 + steps * 0.05
+        rate = 200.0 if steps < 10 else 400.0  # a short run is mostly its workers' start
+        return figures(rate, steps=steps, step_s=0.05, overhead_s=0.3)
+
+    result = race(
+        [workers],
+        baseline,
+        figures(100.0, steps=5, step_s=2.0, overhead_s=0.3),  # 3 steps take 6 s
+        measure,
+        deadline=2.2,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 0.25 if c == workers else 1.0,
+        clock=lambda: clock[0],
+    )
+    assert [(run.round, run.figures.steps) for run in result.runs[1:]] == [(1, 3), (2, 28)]
+    # Before: the screening run's 200 samples/s decided (2x); the 28-step run shows 4x.
+    assert result.winner == workers
+    assert result.gain == pytest.approx(4.0)
+    assert result.winner_figures.steps == 28
+
+
+def test_race_reruns_the_configured_settings_at_their_fewest_steps_in_the_last_round() -> None:
+    clock = [0.0]
+    baseline, workers = Candidate(0), Candidate(2, persistent_workers=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        step_s = 0.1 if candidate == baseline else 0.05
+        clock[0] += 0.3 + steps * step_s
+        return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.3)
+
+    # The calibration, the process's first run, took 0.3 s a step (one-off costs).
+    result = race(
+        [workers],
+        baseline,
+        figures(213.0, steps=5, step_s=0.3, overhead_s=0.3),
+        measure,
+        deadline=2.6,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    reruns = [run for run in result.runs if run.round == 2 and run.candidate == baseline]
+    # Its equal share (1.1 s) held no 3 steps at the calibration's 0.3 s; before, the
+    # calibration's 213 samples/s was the reference (6x); at its own 640, 2x.
+    assert reruns and reruns[0].figures.steps >= 3
+    assert result.gain == pytest.approx(2.0)
+
+
+def test_a_race_run_is_stopped_at_half_again_its_share() -> None:
+    clock = [0.0]
+    slow = Candidate(0, threads=2)
+    ends: list[float] = []
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        ends.append(until - clock[0])
+        clock[0] = until if candidate == slow else clock[0] + 0.3 + steps * 0.1
+        return figures(64.0, steps=steps, step_s=0.1, overhead_s=0.3)
+
+    race(
+        [slow, Candidate(0, fused=True)],
+        Candidate(0),
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
+        measure,
+        deadline=20.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 3,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    # The screen's share is 55% of 20 s over 2: 5.5 s; before, the run could take all 20.
+    assert ends[0] == pytest.approx(1.5 * 5.5)
+
+
+def test_a_cache_is_raced_first_when_its_estimate_beats_the_best_loader() -> None:
+    # Too many CPU-bound workers: 570 samples/s, 85% data wait, 1,024 samples at 0.4 ms.
+    calibration = dataclasses.replace(
+        figures(570.0, steps=10, step_s=64 / 570, overhead_s=0.0),
+        phases={"data_wait": 0.85, "forward": 0.1, "optimizer": 0.05},
+    )
+    cpu_bound = FetchFigures(0.0004, 1.0, None, None, False, fill_per_sample_s=0.0004)
+    kwargs = {"length": 1024, "epochs": 2}
+    # Cached: 3.6 s of epochs become a 0.4 s fill and 0.5 s; 2 workers reach ~1,300/s.
+    assert cache_first(cpu_bound, calibration, **kwargs, loader_rate=1_300.0)
+    # A loader alone 3x faster, against a fill that costs most of an epoch: loader first.
+    waits = dataclasses.replace(cpu_bound, fill_per_sample_s=0.0015)
+    assert not cache_first(waits, calibration, **kwargs, loader_rate=1_800.0)
+    assert not cache_first(None, calibration, **kwargs, loader_rate=1_300.0)
+    ranked, changes = [Candidate(2), Candidate(8)], [{"cache": "memory"}]
+    phases = {"data_wait": 0.85}
+    first = shortlist(ranked, Candidate(8), changes, phases=phases, cache_first=True)
+    assert first[0] == Candidate(0, cache="memory")
+    assert shortlist(ranked, Candidate(8), changes, phases=phases)[0] == Candidate(2)
+
+
+def test_without_a_whole_last_round_the_configured_settings_latest_run_is_the_reference() -> None:
+    clock = [0.0]
+    baseline, fused = Candidate(0), Candidate(0, fused=True)
+
+    def measure(candidate: Candidate, steps: int, until: float) -> PipelineFigures:
+        if candidate == baseline:  # the machine got busier: it runs to its end, at half speed
+            clock[0] = until
+            return figures(320.0, steps=steps, step_s=0.2, overhead_s=0.3)
+        clock[0] += 0.3 + steps * 64 / 960
+        return figures(960.0, steps=steps, step_s=64 / 960, overhead_s=0.3)
+
+    result = race(
+        [fused],
+        baseline,
+        figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
+        measure,
+        deadline=4.0,
+        epochs=1,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: 5,
+        scale=lambda c: 1.0,
+        clock=lambda: clock[0],
+    )
+    assert [(r.candidate == fused, r.round) for r in result.runs[1:]] == [(True, 1), (False, 2)]
+    # Before: against the calibration (640), 1.5x; against the later run beside it, 3x.
+    assert result.gain == pytest.approx(3.0)
+    assert result.baseline_figures.samples_per_s == 320.0
