@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -148,7 +149,10 @@ def test_a_spent_quota_is_named_with_the_bytes_needed(
     monkeypatch.undo()
     message = info.value.message
     assert "disk quota exceeded" in message and "(EDQUOT)" in message, message
-    assert "the write needs about 1.1 KiB" in message and "free on the disk" in message
+    # The state's 1 KiB tensor and its few entries: about 1.1-1.5 KiB with the metadata.
+    needed = re.search(r"the write needs about ([0-9.]+) KiB", message)
+    assert needed is not None and 1.0 < float(needed[1]) < 2.0, message
+    assert "free on the disk" in message
     assert info.value.hint is not None and "in your quota" in info.value.hint
     assert "keep_last" in info.value.hint
     assert_nothing_changed(tmp_path, before, checkpointer)
