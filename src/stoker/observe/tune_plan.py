@@ -4,6 +4,7 @@ fit, and the worker count the measured figures say keeps up with the step."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,9 +15,11 @@ from stoker.observe.short_run import PipelineFigures
 __all__ = [
     "MIN_BATCHES_PER_WORKER",
     "cache_first",
+    "code_change_notes",
     "fitting",
     "import_optimizer_stack",
     "likely_workers",
+    "paired_gains",
     "run_steps",
     "step_s_of",
 ]
@@ -67,6 +70,22 @@ def fitting(costs: Sequence[float], seconds: float) -> int:
 def step_s_of(figures: PipelineFigures) -> float:
     """Seconds per step of a measured run (its loop time over its steps)."""
     return figures.epoch_s / max(figures.steps, 1)
+
+
+def paired_gains(finals: dict[Any, list[Any]], baseline: Any) -> dict[Any, float]:
+    """Each finalist's speed-up: the median, over the last rounds, of its rate over the
+    configured settings' rate in the same round (back to back), not the ratio of the
+    means: one run slowed by other load (a second of a busy machine) moves a mean of
+    two or three runs by a third, and the median of paired ratios not at all. The
+    configured settings' entry is 1.0. ``finals``: each candidate's race runs (``round``,
+    ``rate``)."""
+    base = {run.round: run.rate for run in finals[baseline]}
+    gains = {baseline: 1.0}
+    for candidate, runs in finals.items():
+        ratios = [r.rate / base[r.round] for r in runs if base.get(r.round, 0) > 0]
+        if candidate != baseline and ratios:
+            gains[candidate] = statistics.median(ratios)
+    return gains
 
 
 def likely_workers(
@@ -130,3 +149,48 @@ def import_optimizer_stack() -> None:
     (a 3 s budget ended at 7-8 s under load).
     """
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+#: The calibration's data wait from which a loader cost the tuner cannot change is named
+#: (the doctor's partly-input-bound threshold is 5%; here the loader must matter more).
+CODE_CHANGE_WAIT = 0.2
+
+
+def code_change_notes(fetch: Any, calibration: PipelineFigures, *, batched: bool) -> list[str]:
+    """What the doctor would call a code change, said by the tuner when the figures show it.
+
+    The tuner writes config; a costly ``collate_fn`` (vectorise it) and a cheap
+    ``dataset[i]`` paid one sample at a time (``__getitems__``) are fixed in code, and a
+    run they bind may gain far more from that change than from any setting. Without
+    this the tuner said "no change" (or a small gain) where the doctor's code change won
+    6x (an expensive collate, per-sample in-memory tensors). Same thresholds as the
+    doctor's collate-bound and loader-overhead verdicts, from the tuner's own figures:
+    the fetch and collate timed side by side, the configured run's data wait.
+    """
+    from stoker.observe.advice import CHEAP_COLLATE_S, COLLATE_BOUND_SHARE
+    from stoker.observe.proposals import CHEAP_SAMPLE_S
+
+    wait = calibration.phases.get("data_wait", calibration.data_wait_fraction)
+    if fetch is None or wait < CODE_CHANGE_WAIT:
+        return []
+    fetch_s = fetch.batched_per_sample_s if batched and fetch.batched_per_sample_s else None
+    fetch_s = fetch.per_sample_s if fetch_s is None else fetch_s
+    collate_s = fetch.collate_per_sample_s or 0.0
+    lead = (
+        f"the biggest gain needs a code change the tuner cannot write (the run waits for "
+        f"data {wait:.0%} of its step; `stoker doctor` names it): "
+    )
+    if collate_s >= CHEAP_COLLATE_S and collate_s / (fetch_s + collate_s) >= COLLATE_BOUND_SHARE:
+        share = collate_s / (fetch_s + collate_s)
+        return [
+            lead + f"vectorise the collate_fn ({collate_s * 1e6:.0f} µs per sample, "
+            f"{share:.0%} of the loader's work; stack whole tensors, no per-sample Python "
+            "loop); the settings above only spread it over more workers"
+        ]
+    if not batched and fetch.per_sample_s < CHEAP_SAMPLE_S:
+        return [
+            lead + f"fetch whole batches: dataset[i] is cheap ({fetch.per_sample_s * 1e6:.1f} "
+            "µs) but paid one sample at a time; give the dataset a __getitems__(indices) "
+            "that returns one batch, or keep the data in a stoker ArrayDataset"
+        ]
+    return []
