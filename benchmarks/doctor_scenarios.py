@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import statistics
 import sys
@@ -291,6 +292,9 @@ def real_rate(s: Scenario, settings: dict[str, Any]) -> float:
             config, steps=10**9, epochs=s.epochs, run_dir=Path(tmp) / "run", log_every=10**6
         )
         history = train_run(short, user=UserComponents(train_data=data), progress="quiet").history
+    # A run's persistent workers outlived it (in a reference cycle) until the collector
+    # ran, and the runs after it shared the cores with them: stopped here, as the tuner does.
+    gc.collect()
     epoch_s = sum(float(r["time/epoch_s"]) for r in history)
     return s.epochs * len(data) / (epoch_s + fill_s)
 
