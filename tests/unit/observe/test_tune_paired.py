@@ -130,3 +130,60 @@ def test_tune_times_the_runs_own_collate_fn(monkeypatch, tmp_path: Path) -> None
             load_config(path), budget_s=1.0, user=UserComponents(collate_fn=my_collate)
         )
     assert seen == [my_collate]
+
+
+def _suite():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "doctor_scenarios.py"
+    name = "doctor_scenarios_under_test"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while defined
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_suite_measures_realized_gains_as_paired_ratios_in_alternating_order(
+    monkeypatch,
+) -> None:
+    suite = _suite()
+    configured, tuned = suite._key({}), suite._key({"optim.fused": True})
+    # Other load halves every run of the second round: the rates move, the ratios do not.
+    calls: list[str] = []
+
+    def real_rate(s, settings):
+        calls.append(suite._key(settings))
+        load = 0.5 if (len(calls) - 1) // 2 == 1 else 1.0
+        return (300.0 if settings else 100.0) * load
+
+    monkeypatch.setattr(suite, "real_rate", real_rate)
+    rates = {configured: [90.0], tuned: [200.0]}
+    ratios = suite.paired_ratios(None, [configured, tuned], rates)
+    assert calls == [configured, tuned, tuned, configured, configured, tuned]
+    assert ratios[tuned] == [3.0, 3.0, 3.0] and ratios[configured] == [1.0, 1.0, 1.0]
+    assert rates[configured] == [90.0, 100.0, 50.0, 100.0]
+
+
+def test_suite_states_tunes_share_of_the_best_and_of_the_best_by_config_alone() -> None:
+    suite = _suite()
+    assert suite._code(suite._key({"code.collate": "fast_collate"}))
+    assert not suite._code(suite._key({"loader.num_workers": 2}))
+    rows = [
+        # The best is a code change, config alone finds nothing: no config gain to find.
+        {"advice_share": 1.0, "tune_share": 0.0, "tune_share_config": None},
+        # The best is a code change; tune reaches 90% of the best by config.
+        {"advice_share": 1.0, "tune_share": 0.3, "tune_share_config": 0.9},
+        {"advice_share": 1.0, "tune_share": 1.0, "tune_share_config": 1.0},
+    ]
+    for row in rows:
+        row.update(verdict_ok=True, tune_error=0.0, tune_s=1.0, yaml_kept=True)
+    totals = suite.summary(rows, 8.0)
+    assert totals["with_gain"] == 3 and totals["tune_reaches_80pct"] == 1
+    assert totals["with_config_gain"] == 2
+    assert totals["tune_reaches_80pct_of_config_best"] == 2
