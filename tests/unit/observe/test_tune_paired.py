@@ -33,10 +33,10 @@ def figures(rate: float, *, steps: int, step_s: float, wait: float = 0.0) -> Pip
     )
 
 
-def test_race_predicts_the_median_of_paired_ratios_in_alternating_order() -> None:
+def test_race_predicts_from_the_fastest_paired_runs_in_alternating_order() -> None:
     # The configured settings train at 100 samples/s, the fused optimizer at 150, except
     # one configured run slowed to half by other load: the ratio of the means said 1.8x,
-    # the median of the rounds' paired ratios says 1.5x, what the settings give.
+    # the fastest runs of the paired rounds say 1.5x, what the settings give.
     clock = [0.0]
     baseline, fused = Candidate(0), Candidate(0, fused=True)
     order: list[tuple[int, Candidate]] = []
@@ -187,3 +187,20 @@ def test_suite_states_tunes_share_of_the_best_and_of_the_best_by_config_alone() 
     assert totals["with_gain"] == 3 and totals["tune_reaches_80pct"] == 1
     assert totals["with_config_gain"] == 2
     assert totals["tune_reaches_80pct_of_config_best"] == 2
+
+
+def test_two_rounds_with_one_loaded_run_predict_the_unloaded_ratio() -> None:
+    # Two rounds (a median is then the mean): the configured settings once at half speed.
+    from types import SimpleNamespace as Run
+
+    from stoker.observe.tune_plan import paired_gains
+
+    base, cache = Candidate(0), Candidate(0, cache="memory")
+    finals = {
+        base: [Run(round=2, rate=23350.0), Run(round=3, rate=12345.0)],
+        cache: [Run(round=2, rate=19429.0), Run(round=3, rate=19589.0)],
+        Candidate(2): [Run(round=4, rate=99999.0)],  # no configured run in its round
+    }
+    gains = paired_gains(finals, base)
+    assert gains[base] == 1.0 and Candidate(2) not in gains
+    assert gains[cache] == pytest.approx(19589.0 / 23350.0)
