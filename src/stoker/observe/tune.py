@@ -325,6 +325,7 @@ def tune(
             cores=usable_cores(),
             cap=max_workers,
             batches=calibration.epoch_samples // loader_cfg.batch_size or None,
+            epochs=config.train.epochs,
         )
         if workers is not None and not in_process:
             # Measured first, and raced: a tight budget measures only a few of the

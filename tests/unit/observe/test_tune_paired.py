@@ -3,6 +3,7 @@ collate in its fetch figures."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,18 @@ def test_two_rounds_with_one_loaded_run_predict_the_unloaded_ratio() -> None:
     gains = paired_gains(finals, base)
     assert gains[base] == 1.0 and Candidate(2) not in gains
     assert gains[cache] == pytest.approx(19589.0 / 23350.0)
+
+
+def test_likely_workers_pay_a_persistent_workers_start_over_the_runs_epochs() -> None:
+    from stoker.observe.tune_plan import likely_workers
+
+    # 64 fetches of 1 ms (5% CPU: a wait) per batch against 4 ms of compute: 16 workers
+    # keep up; 32 batches an epoch allow 8 at 4 batches each, 2 epochs allow 16.
+    calibration = dataclasses.replace(
+        figures(640.0, steps=10, step_s=0.04),
+        phases={"forward": 0.05, "backward": 0.04, "optimizer": 0.01, "data_wait": 0.9},
+    )
+    waits = FetchFigures(0.001, 0.05, None, None, False)
+    kwargs = {"batch_size": 64, "cores": 2, "cap": 16, "batches": 32}
+    assert likely_workers(waits, calibration, **kwargs) == 8
+    assert likely_workers(waits, calibration, **kwargs, epochs=2) == 16
