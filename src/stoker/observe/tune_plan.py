@@ -14,9 +14,11 @@ from stoker.observe.short_run import PipelineFigures
 __all__ = [
     "MIN_BATCHES_PER_WORKER",
     "cache_first",
+    "code_change_notes",
     "fitting",
     "import_optimizer_stack",
     "likely_workers",
+    "paired_gains",
     "run_steps",
     "step_s_of",
 ]
@@ -69,6 +71,27 @@ def step_s_of(figures: PipelineFigures) -> float:
     return figures.epoch_s / max(figures.steps, 1)
 
 
+def paired_gains(finals: dict[Any, list[Any]], baseline: Any) -> dict[Any, float]:
+    """Each finalist's speed-up over the configured settings from the last rounds, where
+    the two ran back to back in alternating order: its fastest run's rate over the
+    configured settings' fastest, over the rounds both ran. Other load only ever slows a
+    run, and the alternation gives both sides the same moments, so each side's fastest
+    run is its least disturbed (as ``timeit`` takes the best of its repeats). The mean of
+    the rounds was moved by a third by one loaded run (Parquet: the configured settings
+    at 23,350 then 12,345 samples/s beside a cache at 19,429 and 19,589: 1.21x predicted,
+    0.85x real; fastest runs: 0.84x); with two rounds, a median is that mean.
+    The configured settings' entry is 1.0. ``finals``: each candidate's race runs
+    (``round``, ``rate``)."""
+    base = {run.round: run.rate for run in finals[baseline]}
+    gains = {baseline: 1.0}
+    for candidate, runs in finals.items():
+        paired = [r for r in runs if base.get(r.round, 0) > 0]
+        if candidate != baseline and paired:
+            top = max(base[r.round] for r in paired)
+            gains[candidate] = max(r.rate for r in paired) / top
+    return gains
+
+
 def likely_workers(
     fetch: Any,
     calibration: PipelineFigures,
@@ -77,6 +100,7 @@ def likely_workers(
     cores: int,
     cap: int,
     batches: int | None = None,
+    epochs: int = 1,
 ) -> int | None:
     """The worker count that would just keep up with the step, from measured figures.
 
@@ -84,13 +108,18 @@ def likely_workers(
     step's compute (forward, backward, optimizer: the calibration run's phase table) is
     how long the workers have to deliver it. A fetch that mostly waits (a low CPU share:
     disk, network) lets more workers than cores overlap their waits, up to the cores over
-    that share. ``batches``: an epoch's batches. None when the fetch was not measured.
+    that share. ``batches``: an epoch's batches; ``epochs``: the run's (the likely count
+    is raced with persistent workers, started once a run). None when the fetch was not
+    measured.
     """
     if fetch is None or fetch.per_sample_s <= 0:
         return None
     # Each worker's start (a fork, its first batch) is paid back over the batches it
-    # fetches: at least MIN_BATCHES_PER_WORKER of an epoch's each.
-    most = max(1, batches // MIN_BATCHES_PER_WORKER) if batches else cap
+    # fetches: at least MIN_BATCHES_PER_WORKER of the run's each. Persistent workers
+    # start once for all epochs: an epoch's batches alone capped I/O latency at 8
+    # workers (32 batches) where 16 were 1.2x faster over the 2 epochs.
+    run_batches = batches * max(1, epochs) if batches else None
+    most = max(1, run_batches // MIN_BATCHES_PER_WORKER) if run_batches else cap
     batch_s = batch_size * (fetch.per_sample_s + (fetch.collate_per_sample_s or 0.0))
     compute = sum(calibration.phases.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
     compute_s = max(step_s_of(calibration) * compute, 1e-4)
@@ -130,3 +159,48 @@ def import_optimizer_stack() -> None:
     (a 3 s budget ended at 7-8 s under load).
     """
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+#: The calibration's data wait from which a loader cost the tuner cannot change is named
+#: (the doctor's partly-input-bound threshold is 5%; here the loader must matter more).
+CODE_CHANGE_WAIT = 0.2
+
+
+def code_change_notes(fetch: Any, calibration: PipelineFigures, *, batched: bool) -> list[str]:
+    """What the doctor would call a code change, said by the tuner when the figures show it.
+
+    The tuner writes config; a costly ``collate_fn`` (vectorise it) and a cheap
+    ``dataset[i]`` paid one sample at a time (``__getitems__``) are fixed in code, and a
+    run they bind may gain far more from that change than from any setting. Without
+    this the tuner said "no change" (or a small gain) where the doctor's code change won
+    6x (an expensive collate, per-sample in-memory tensors). Same thresholds as the
+    doctor's collate-bound and loader-overhead verdicts, from the tuner's own figures:
+    the fetch and collate timed side by side, the configured run's data wait.
+    """
+    from stoker.observe.advice import CHEAP_COLLATE_S, COLLATE_BOUND_SHARE
+    from stoker.observe.proposals import CHEAP_SAMPLE_S
+
+    wait = calibration.phases.get("data_wait", calibration.data_wait_fraction)
+    if fetch is None or wait < CODE_CHANGE_WAIT:
+        return []
+    fetch_s = fetch.batched_per_sample_s if batched and fetch.batched_per_sample_s else None
+    fetch_s = fetch.per_sample_s if fetch_s is None else fetch_s
+    collate_s = fetch.collate_per_sample_s or 0.0
+    lead = (
+        f"the biggest gain needs a code change the tuner cannot write (the run waits for "
+        f"data {wait:.0%} of its step; `stoker doctor` names it): "
+    )
+    if collate_s >= CHEAP_COLLATE_S and collate_s / (fetch_s + collate_s) >= COLLATE_BOUND_SHARE:
+        share = collate_s / (fetch_s + collate_s)
+        return [
+            lead + f"vectorise the collate_fn ({collate_s * 1e6:.0f} µs per sample, "
+            f"{share:.0%} of the loader's work; stack whole tensors, no per-sample Python "
+            "loop); the settings above only spread it over more workers"
+        ]
+    if not batched and fetch.per_sample_s < CHEAP_SAMPLE_S:
+        return [
+            lead + f"fetch whole batches: dataset[i] is cheap ({fetch.per_sample_s * 1e6:.1f} "
+            "µs) but paid one sample at a time; give the dataset a __getitems__(indices) "
+            "that returns one batch, or keep the data in a stoker ArrayDataset"
+        ]
+    return []

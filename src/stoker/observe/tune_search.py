@@ -20,7 +20,7 @@ from stoker.observe.halving import Candidate
 from stoker.observe.proposals import CHEAP_SAMPLE_S, MIN_GAIN
 from stoker.observe.short_run import PipelineFigures, apply_settings
 from stoker.observe.stages import usable_cores
-from stoker.observe.tune_plan import fitting, run_steps, step_s_of
+from stoker.observe.tune_plan import fitting, paired_gains, run_steps, step_s_of
 from stoker.train.optim import build_optimizer
 from stoker.train.pipeline import Pipeline
 
@@ -329,7 +329,10 @@ def race(
             # run's fixed costs more (a first optimizer step, a cold cache), the faster
             # candidate's most, and averaged in they under-predicted its speed-up.
             break
-        for position, candidate in enumerate(order):
+        # Alternated (configured first, then last, ...): a drift of other load over the
+        # rounds then weighs on both sides of the paired ratios alike.
+        ordered = order if round_index % 2 == 0 else order[::-1]
+        for position, candidate in enumerate(ordered):
             seconds = (deadline - clock()) / (len(order) - position)
             if candidate == baseline and round_index == 2:
                 # Its fewest steps at least: the configured settings' only other run is
@@ -342,7 +345,7 @@ def race(
         if len(finals) < len(order):
             break
     if baseline in finals and len(finals) > 1:
-        pool = {c: sum(r.rate for r in rs) / len(rs) for c, rs in finals.items()}
+        pool = paired_gains(finals, baseline)
         reference = finals[baseline][-1]
     else:  # no whole last round: the configured settings' latest run, the others' longest
         reference = finals[baseline][-1] if baseline in finals else runs[0]
