@@ -31,6 +31,7 @@ from stoker.data.loader import build_loader
 from stoker.data.sources import length_or_none
 from stoker.errors import CheckpointError, ConfigError, DataError
 from stoker.predictions import PredictionWriter, open_writer
+from stoker.safe_files import write_text
 from stoker.train.batch import forward
 from stoker.train.evaluate import evaluate
 from stoker.train.metric_set import build_metrics
@@ -435,7 +436,8 @@ def _stderr_console() -> Any:
 def write_evaluation(result: dict[str, Any], path: str | Path) -> Path:
     """Write :func:`evaluate_run`'s result as JSON (non-finite numbers as null)."""
     path = Path(path)
-    path.write_text(json.dumps(_finite(result), indent=2) + "\n")
+    # Atomic, and never through a link: the default place is inside the run dir.
+    write_text(path, json.dumps(_finite(result), indent=2) + "\n")
     return path
 
 

@@ -7,6 +7,7 @@ left untouched; so are hard links and FIFOs.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -129,3 +130,18 @@ def test_a_link_to_a_file_written_at_the_end_is_refused_before_training(
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == trained
         assert outside.read_text() == PRECIOUS
         (run_dir / name).unlink()
+
+
+def test_stoker_evaluate_writes_its_metrics_file_without_following_a_link(tmp_path: Path) -> None:
+    from stoker.inference import write_evaluation
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text(PRECIOUS)
+    planted = tmp_path / "eval-best.json"  # where `stoker evaluate RUN_DIR` writes
+    planted.symlink_to(outside)
+    with pytest.raises(RunFileError, match="eval-best.json is a symbolic link"):
+        write_evaluation({"metrics": {"eval/loss": 0.5}}, planted)
+    assert outside.read_text() == PRECIOUS
+    planted.unlink()
+    write_evaluation({"metrics": {"eval/loss": float("nan")}}, planted)
+    assert json.loads(planted.read_text()) == {"metrics": {"eval/loss": None}}

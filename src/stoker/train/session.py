@@ -424,6 +424,9 @@ def _train_run(
         raise
     finally:
         threads.restore()
+        train_loader.close()  # persistent workers end with the run, not at a collection
+        if val_loader is not None:
+            val_loader.close()
         sink.close()
         if checkpointer is not None:
             checkpointer.close()

@@ -29,6 +29,7 @@ from stoker.checkpoint import load_checkpoint
 from stoker.config import RunConfig
 from stoker.data.sources import length_or_none
 from stoker.errors import ConfigError
+from stoker.safe_files import write_text
 from stoker.train.objective import validate
 from stoker.train.pipeline import Pipeline, build_eval_loader
 
@@ -134,6 +135,7 @@ class TestSplit:
             # As validation measures: the built-in loss and metrics, or the run's eval_fn.
             values = validate(loop, loader, prefix="test")
         finally:
+            loader.close()  # its workers, persistent or not, end with the evaluation
             if kept is not None:
                 model.load_state_dict(kept)
         loop.sink.log({"epoch": epoch, "step": state.step, **values})
@@ -147,7 +149,7 @@ class TestSplit:
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {}
         summary["test"] = self.result
-        path.write_text(json.dumps(summary, indent=2))
+        write_text(path, json.dumps(summary, indent=2))  # never through a planted link
         figures = "  ".join(
             f"{key} {value:.4f}" for key, value in self.result.items() if key.startswith("test/")
         )

@@ -144,3 +144,55 @@ def test_a_worker_does_not_finalize_what_it_inherited(tmp_path) -> None:
     # Before: the worker's collector ran __del__ too (PyTorch's shutdown of another
     # loader, in the suite), from the worker's process.
     assert pids == [str(os.getpid())]
+
+
+def test_close_stops_a_loaders_persistent_workers_now() -> None:
+    loader = build_loader(_Numbers(64), batch_size=16, num_workers=2, persistent_workers=True)
+    assert sum(len(b) for b in loader) == 64
+    pids = _worker_pids(loader)
+    assert all(_alive(pid) for pid in pids)  # persistent: alive between passes
+    loader.close()
+    assert not any(_alive(pid) for pid in pids)
+    # A later pass starts fresh workers and reads every sample again.
+    assert sum(len(b) for b in loader) == 64
+    assert set(_worker_pids(loader)).isdisjoint(pids)
+    loader.close()
+
+
+class _PidNoting(Dataset):
+    """Per-sample reads that leave one empty file per reading process, named by its pid."""
+
+    def __init__(self, n: int, folder: Path) -> None:
+        self.n, self.folder = n, folder
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        (self.folder / str(os.getpid())).touch()
+        return torch.full((4,), float(index % 3)), index % 3
+
+
+def test_a_runs_persistent_workers_end_with_the_run(tmp_path: Path) -> None:
+    import stoker
+
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    data = _PidNoting(96, pids_dir)
+    # With the collector off, only the run itself can end its workers: the loader sits in
+    # reference cycles (loop, callbacks), which kept its persistent workers alive after fit.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        stoker.fit(
+            torch.nn.Linear(4, 3), data, data, epochs=2, batch_size=16, num_workers=2,
+            persistent_workers=True, run_dir=tmp_path / "run", progress="quiet",
+            tensorboard=False, fingerprint="off",
+        )  # fmt: skip
+        workers = [int(p.name) for p in pids_dir.iterdir() if int(p.name) != os.getpid()]
+        assert len(workers) >= 2, workers  # train's and val's workers read the samples
+        alive = [pid for pid in workers if _alive(pid)]
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert alive == [], f"workers {alive} outlived the run"
