@@ -161,10 +161,11 @@ def step_loss(model: nn.Module) -> Callable[..., object]:
 
     def keep(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> None:
         nonlocal window
-        window.step_losses.append(loss.detach())
+        window.loss_sum += loss.item()
+        window.losses += 1
         window.steps += 1
         if window.steps == 50:  # the default log_every_steps: one stack and sum
-            window.loss  # noqa: B018 - the sum the step record reads
+            window.loss_sum  # noqa: B018 - the sum the step record reads
             window = StepWindow.empty(CPU)
 
     return keep
