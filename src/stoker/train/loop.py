@@ -410,10 +410,9 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
     max_steps, stop, log_every = loop.max_steps, loop.stop, loop.log_every_steps
     checkpointing, advance = loop.on_step_checkpoint is not None, loop.progress.advance
     step_end = loop.callbacks.step_end  # the callbacks' on_step_end; a no-op when none
-    one_step = _train_single if loop.grad_accum_steps == 1 else train_step
     while max_steps is None or state.step < max_steps:
         try:
-            used = one_step(loop, batches, metrics, window)
+            used = train_step(loop, batches, metrics, window)
         except RollbackNeeded as needed:
             roll_back(loop, needed.fault, batches=consumed + needed.batches)
             raise RolledBack(str(needed.fault)) from None
