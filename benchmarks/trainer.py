@@ -25,6 +25,11 @@ the same ArrayDataset, seed 0, so the same batches in the same order) and optimi
   bookkeeping alone (the non-finite check, timing, metrics).
   Targets: stoker's median step time / hand_same's <= 1.03 (and / hand's), and
   bitwise-equal final weights.
+- ``hand_checked``: ``hand_same`` plus stoker's non-finite check of the loss and every
+  gradient before the step (``stoker.train.grads.FiniteCheck``, the calls
+  ``train.on_nonfinite`` makes by default), so that stoker / hand_checked is the rest of
+  the bookkeeping (timing, metrics, records) against a loop with the same guarantee.
+  Target: <= 1.03 too.
 - ``stoker_callback``: ``stoker.fit`` with one callback whose ``on_step_end`` does
   nothing, so that stoker_callback / stoker is what dispatching a step hook costs (a run
   with no callback makes one call to an empty function per step instead).
@@ -86,6 +91,7 @@ from common import (
 
 import stoker
 from stoker.examples.datasets import seed_tabular
+from stoker.train.grads import FiniteCheck
 from stoker.train.optim_calls import OptimizerCalls
 from stoker.train.precision import Precision
 
@@ -117,11 +123,20 @@ def optimizer_calls(
 
 
 def hand_loop(
-    model: nn.Module, batches: Iterable, epochs: int, make_opt, *, direct: bool = False
+    model: nn.Module,
+    batches: Iterable,
+    epochs: int,
+    make_opt,
+    *,
+    direct: bool = False,
+    checked: bool = False,
 ) -> float:
-    """The seed's loop; returns the last loss. ``direct``: stoker's optimizer calls."""
+    """The seed's loop; returns the last loss. ``direct``: stoker's optimizer calls;
+    ``checked``: also stoker's non-finite check of the loss and every gradient before
+    the step (``FiniteCheck``: what ``train.on_nonfinite=halt`` needs), the same calls."""
     optimizer = make_opt(model.parameters())
     step, zero_grad = optimizer_calls(optimizer, direct)
+    check = FiniteCheck(list(model.parameters())) if checked else None
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.zeros(())
     for _ in range(epochs):
@@ -130,6 +145,8 @@ def hand_loop(
             loss = loss_fn(logits, yb)
             zero_grad()
             loss.backward()
+            if check is not None and check(loss) != (True, True):
+                raise FloatingPointError("non-finite loss or gradient")
             step()
     return float(loss.detach())
 
@@ -225,6 +242,11 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             steps_per_epoch,
             lambda m: hand_loop(m, stoker_loader(), epochs, adam(True), direct=True),
         ),
+        "hand_checked": Timed(
+            init,
+            steps_per_epoch,
+            lambda m: hand_loop(m, stoker_loader(), epochs, adam(True), direct=True, checked=True),
+        ),
         "stoker_callback": Timed(
             init,
             steps_per_epoch,
@@ -293,6 +315,52 @@ def overhead(root: Path, rounds: int, epochs: int, lightning: str) -> tuple[dict
             "<=",
             OVERHEAD_MAX,
             note="the bookkeeping alone: both call optimizer.step() and set grads to None",
+        ),
+        target_check(
+            bench,
+            "overhead: stoker / hand loop making the same calls and the non-finite check",
+            paired_ratio(
+                column(records["stoker"], "step_s"), column(records["hand_checked"], "step_s")
+            ),
+            "<=",
+            OVERHEAD_MAX,
+            note="like for like: both also check the loss and every gradient before the step",
+        ),
+        info(
+            bench,
+            "overhead: CPU time, stoker / hand loop making the same calls",
+            paired_ratio(
+                column(records["stoker"], "cpu_step_s"), column(records["hand_same"], "cpu_step_s")
+            ),
+            unit="x",
+            note="median step in this process's CPU time (less disturbed by other jobs)",
+        ),
+        info(
+            bench,
+            "overhead: CPU time, stoker / hand loop with the non-finite check",
+            paired_ratio(
+                column(records["stoker"], "cpu_step_s"),
+                column(records["hand_checked"], "cpu_step_s"),
+            ),
+            unit="x",
+        ),
+        info(
+            bench,
+            "overhead: train time (mean step, records and epoch ends included), "
+            "stoker / hand loop making the same calls",
+            paired_ratio(
+                column(records["stoker"], "train_s"), column(records["hand_same"], "train_s")
+            ),
+            unit="x",
+        ),
+        info(
+            bench,
+            "overhead: hand loop with the non-finite check / without",
+            paired_ratio(
+                column(records["hand_checked"], "step_s"), column(records["hand_same"], "step_s")
+            ),
+            unit="x",
+            note="what train.on_nonfinite's check costs a hand loop",
         ),
         info(
             bench,

@@ -24,14 +24,11 @@ class GradClipper:
     def __init__(self, *, max_norm: float | None = None, max_value: float | None = None) -> None:
         self.max_norm = max_norm
         self.max_value = max_value
+        #: Whether this clipper changes gradients at all (read on every step: an attribute).
+        self.clipping = max_norm is not None or max_value is not None
         self.clipped_steps = torch.zeros((), dtype=torch.long)
         #: Whether the last ``clip_`` clipped (a device tensor; False when not clipping).
         self.last_clipped: torch.Tensor | bool = False
-
-    @property
-    def clipping(self) -> bool:
-        """Whether this clipper changes gradients at all."""
-        return self.max_norm is not None or self.max_value is not None
 
     def measure(self, grads: list[torch.Tensor], *, wanted: bool) -> torch.Tensor | None:
         """The pre-clip total L2 norm when ``wanted`` or when clipping by norm needs it."""
@@ -106,16 +103,18 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class FiniteCheck:
     """Finds inf/NaN in a loss and in every gradient of ``parameters``: one read per step.
 
-    The gradients are summed into one number: a sum that is finite proves every element
-    finite, since an inf or NaN anywhere reaches it (inf plus -inf is NaN). A sum that is
-    not finite may still be finite values that overflowed, so only then is every element
-    looked at (``torch.isfinite``), on this rare path. On the CPU a small model's
-    gradients are joined first (``torch.cat``, one kernel for the sum instead of one per
-    tensor: about 10 µs a step on the seed MLP, less than the 12 µs that
-    ``optimizer.zero_grad()``'s profiler range costs and the loop saves, see
-    ``stoker.train.optim_calls``); past a million elements each tensor is summed where
-    it lies, so no copy of the gradients is made. numpy's ``vdot`` would be as quick, but
-    its BLAS threads spin on a busy machine.
+    The gradients are reduced to one number: a sum (or a sum of squares) that is finite
+    proves every element finite, since an inf or NaN anywhere reaches it (inf plus -inf
+    is NaN). One that is not finite may still be finite values that overflowed, so only
+    then is every element looked at (``torch.isfinite``), on this rare path. On the CPU
+    a small model's gradients are joined first (``torch.cat``, one kernel for the
+    reduction instead of one per tensor) and, in float32 or float64, reduced by
+    ``torch.dot`` of the joined vector with itself, which dispatches in two thirds of a
+    ``sum``'s instructions; past a million elements each tensor is summed where it
+    lies, so no copy of the gradients is made. numpy is no cheaper: its reductions cost
+    as much to call as PyTorch's (about 10,000 instructions), and its BLAS threads spin
+    on a busy machine. The loss is read to the host here; ``loss_value`` keeps it, so
+    that recording it costs nothing more.
 
     On an accelerator the total L2 norm (``torch.nn.utils.get_total_norm``, one fused
     kernel per device and dtype) travels to the host together with the loss, in one
@@ -133,6 +132,14 @@ class FiniteCheck:
         handles a fault the same way: a NaN loss on one rank, or a bad gradient shard
         under FSDP, is a fault on all of them."""
         self._agree = agree
+        #: The loss the last call read, a host number (the loop records it: no more reads).
+        self.loss_value = math.nan
+        #: The total L2 norm of the gradients the last call looked at, when it measured
+        #: it on the way (squared and summed on the CPU in float32/64; on an accelerator
+        #: the norm it reads anyway) and it was finite; else None. Equal to
+        #: ``get_total_norm`` up to float rounding: the loop records it instead of
+        #: measuring again. Sharded gradients give no norm (a shard's is not the whole).
+        self.grad_norm: float | None = None
         self._parameters = [p for p in parameters if p.requires_grad]
         self._host = all(p.device.type == "cpu" for p in self._parameters)
         self._sharded = any(_sharded(p) for p in self._parameters)
@@ -143,6 +150,10 @@ class FiniteCheck:
             and len({p.dtype for p in self._parameters}) == 1
             and sum(p.numel() for p in self._parameters) <= _JOIN_NUMEL
         )
+        # The joined gradients are reduced with a dot product with themselves (the
+        # squared norm: inf/NaN reach it as they reach a sum), a BLAS call that costs
+        # two thirds of a sum's dispatch; other dtypes are summed.
+        self._dot = self._join and self._parameters[0].dtype in (torch.float32, torch.float64)
 
     def __call__(self, loss: torch.Tensor) -> tuple[bool, bool]:
         """``(loss finite, every gradient finite)``: the step's one CPU–GPU sync point."""
@@ -155,18 +166,26 @@ class FiniteCheck:
                     for p in self._parameters
                     if (g := p.grad) is not None
                 ]
-                total = torch.cat(flat).sum() if flat else None
+                if flat:
+                    joined = torch.cat(flat)
+                    total = torch.dot(joined, joined) if self._dot else joined.sum()
             except RuntimeError:  # a sparse gradient: summed on its own from now on
                 self._join = False
             else:
-                grads_ok = total is None or math.isfinite(total.item()) or _each_finite(flat)
-                verdict = math.isfinite(loss.item()), grads_ok
+                reduced = total.item() if flat else 0.0
+                grads_ok = math.isfinite(reduced) or _each_finite(flat)
+                finite_norm = self._dot and math.isfinite(reduced)
+                self.grad_norm = math.sqrt(reduced) if finite_norm else None
+                self.loss_value = value = loss.item()
+                verdict = math.isfinite(value), grads_ok
                 return self._agree(*verdict) if self._agree is not None else verdict
+        self.grad_norm = None
         grads = [p.grad for p in self._parameters if p.grad is not None]
         if self._sharded or any(g.is_sparse for g in grads):
             grads = [_values(g) for g in grads]
         if self._host:
-            verdict = math.isfinite(loss.item()), _host_finite(grads)
+            self.loss_value = value = loss.item()
+            verdict = math.isfinite(value), _host_finite(grads)
         else:
             together = [loss.detach().float().reshape(())]
             if grads:
@@ -175,6 +194,9 @@ class FiniteCheck:
                 )
             first, *rest = torch.stack(together).tolist()
             grads_ok = all(math.isfinite(value) for value in rest) or _each_finite(grads)
+            if rest and math.isfinite(rest[0]) and not self._sharded:
+                self.grad_norm = rest[0]
+            self.loss_value = first
             verdict = math.isfinite(first), grads_ok
         return self._agree(*verdict) if self._agree is not None else verdict
 

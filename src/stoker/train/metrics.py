@@ -418,18 +418,20 @@ def _inconsistent(outputs: torch.Tensor, targets: Any, *, batch: int, scoring: b
 
 @dataclass
 class StepWindow:
-    """Sums since the last step-level record, kept on the device (no per-step sync).
+    """Sums since the last step-level record (no per-step tensor op or sync).
 
-    The loss of every step that was not skipped is kept, and summed when the window is
-    recorded (one stack and sum, not an add per step). The gradient norm is measured
-    on the window's first step that updates the parameters (and on every step when
-    clipping by norm needs it anyway): measuring it is a pass over every gradient, too
-    dear to pay on each step for a figure recorded every ``log_every_steps``.
+    The loss of every step that was not skipped is added as the host number the step's
+    non-finite check read anyway (``FiniteCheck.loss_value``). The gradient norm, a
+    device tensor, is measured on the window's first step that updates the parameters
+    (and on every step when clipping by norm needs it anyway): measuring it is a pass
+    over every gradient, too dear to pay on each step for a figure recorded every
+    ``log_every_steps``.
     """
 
     grad_norm: torch.Tensor
-    #: The step losses (0-d float32 tensors) of the steps that were not skipped.
-    step_losses: list[torch.Tensor] = field(default_factory=list)
+    #: The sum of the step losses of the steps that were not skipped, and their number.
+    loss_sum: float = 0.0
+    losses: int = 0
     steps: int = 0
     norms: int = 0  # steps whose norm is in `grad_norm`
     samples: int = 0
@@ -439,15 +441,3 @@ class StepWindow:
     def empty(cls, device: torch.device) -> StepWindow:
         """A window with nothing recorded yet."""
         return cls(torch.zeros((), device=device))
-
-    @property
-    def losses(self) -> int:
-        """Steps whose loss is in the window (skipped steps are not)."""
-        return len(self.step_losses)
-
-    @property
-    def loss(self) -> torch.Tensor:
-        """The sum of the window's step losses, on the device."""
-        if not self.step_losses:
-            return torch.zeros((), device=self.grad_norm.device)
-        return torch.stack(self.step_losses).sum()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,8 +13,8 @@ from stoker.errors import DataError, TrainingError
 from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer
 from stoker.train.grad_health import GradHealth
-from stoker.train.grads import GradClipper, first_nonfinite_grad
-from stoker.train.loop import Loop, train_step
+from stoker.train.grads import FiniteCheck, GradClipper, first_nonfinite_grad
+from stoker.train.loop import Loop, _record_window, train_step
 from stoker.train.metrics import StepWindow, TaskMetrics
 from stoker.train.monitor import Monitor
 from stoker.train.precision import Precision
@@ -316,3 +318,72 @@ def test_the_grad_norm_is_measured_on_a_windows_first_step_unless_clipping_needs
         train_step(loop, batches, metrics, window)
     assert (window.steps, window.losses, window.norms) == (3, 3, norms)
     torch.testing.assert_close(window.grad_norm, sum(expected[:norms]))
+
+
+# --- what a step records without extra work -------------------------------------------
+
+
+def test_the_check_keeps_the_loss_and_the_norm_it_read() -> None:
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    loss = nn.functional.cross_entropy(
+        model(torch.randn(8, 6)), torch.tensor([0, 1, 2] * 2 + [0, 1])
+    )
+    loss.backward()
+    check = FiniteCheck(list(model.parameters()))
+    assert check(loss) == (True, True)
+    assert check.loss_value == loss.item()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert check.grad_norm == pytest.approx(expected.item(), rel=1e-6)
+    # A non-finite gradient: no norm to record.
+    next(model.parameters()).grad[0, 0] = math.inf
+    assert check(loss) == (True, False)
+    assert check.grad_norm is None
+
+
+def test_a_recorded_step_measures_no_norm_of_its_own(
+    toy_classification, mlp_factory, monkeypatch
+) -> None:
+    """Not clipping, the window's norm is the check's: no second pass over the gradients."""
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model)
+    expected = []
+    real_step = loop.optimizer_calls.step
+
+    def note_norm():
+        expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        real_step()
+
+    loop.optimizer_calls.step = note_norm
+    measured = []
+    monkeypatch.setattr(GradClipper, "measure", lambda *a, **k: measured.append(1))
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    batches = _batches(x[:96], y[:96], 32)
+    losses = []
+    for _ in range(3):
+        train_step(loop, batches, metrics, window)
+        losses.append(loop.step_loss.item())
+    assert measured == []
+    assert window.norms == 1
+    torch.testing.assert_close(window.grad_norm, expected[0])
+    assert (window.losses, window.loss_sum) == (3, pytest.approx(math.fsum(losses)))
+    _record_window(loop, window)
+    assert loop.sink.records[-1]["train/loss"] == pytest.approx(math.fsum(losses) / 3)
+    assert loop.sink.records[-1]["grad/norm"] == pytest.approx(expected[0].item(), rel=1e-6)
+
+
+def test_clipping_by_norm_still_measures_as_clip_grad_norm(toy_classification, mlp_factory):
+    x, y = toy_classification
+    loop = _loop(mlp_factory(), clipper=GradClipper(max_norm=1e6))
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    calls = []
+    measure = GradClipper.measure
+
+    def counted(self, grads, *, wanted):
+        calls.append(wanted)
+        return measure(self, grads, wanted=wanted)
+
+    loop.clipper.measure = counted.__get__(loop.clipper)
+    train_step(loop, _batches(x[:64], y[:64], 32), metrics, window)
+    train_step(loop, _batches(x[64:128], y[64:128], 32), metrics, window)
+    assert calls == [True, False]  # every step: the clipped gradients are clip_grad_norm_'s
