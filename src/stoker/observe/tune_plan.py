@@ -71,6 +71,12 @@ def step_s_of(figures: PipelineFigures) -> float:
     return figures.epoch_s / max(figures.steps, 1)
 
 
+#: A paired round where a candidate ran below this share of the configured settings' rate
+#: is a collapse, not noise (in the scenario suite, load moved paired ratios by about a
+#: third either way).
+COLLAPSE = 0.5
+
+
 def paired_gains(finals: dict[Any, list[Any]], baseline: Any) -> dict[Any, float]:
     """Each finalist's speed-up over the configured settings from the last rounds, where
     the two ran back to back in alternating order: its fastest run's rate over the
@@ -81,14 +87,20 @@ def paired_gains(finals: dict[Any, list[Any]], baseline: Any) -> dict[Any, float
     at 23,350 then 12,345 samples/s beside a cache at 19,429 and 19,589: 1.21x predicted,
     0.85x real; fastest runs: 0.84x); with two rounds, a median is that mean.
     The configured settings' entry is 1.0. ``finals``: each candidate's race runs
-    (``round``, ``rate``)."""
+    (``round``, ``rate``).
+
+    A candidate that ran at under ``COLLAPSE`` of the configured rate in any round of
+    the pair gets that worst ratio instead: its fastest run hides a setting that falls
+    apart under load (two intra-op threads on a busy 2-core machine: 1.33x, 1.24x, then
+    0.06x; its best runs predicted 1.31x and whole runs then trained at 0.06x)."""
     base = {run.round: run.rate for run in finals[baseline]}
     gains = {baseline: 1.0}
     for candidate, runs in finals.items():
         paired = [r for r in runs if base.get(r.round, 0) > 0]
         if candidate != baseline and paired:
+            worst = min(r.rate / base[r.round] for r in paired)
             top = max(base[r.round] for r in paired)
-            gains[candidate] = max(r.rate for r in paired) / top
+            gains[candidate] = worst if worst < COLLAPSE else max(r.rate for r in paired) / top
     return gains
 
 

@@ -220,3 +220,22 @@ def test_likely_workers_pay_a_persistent_workers_start_over_the_runs_epochs() ->
     kwargs = {"batch_size": 64, "cores": 2, "cap": 16, "batches": 32}
     assert likely_workers(waits, calibration, **kwargs) == 8
     assert likely_workers(waits, calibration, **kwargs, epochs=2) == 16
+
+
+def test_a_candidate_that_collapses_in_one_paired_round_is_no_gain() -> None:
+    # Two intra-op threads on a busy 2-core machine (the suite's heavy model): faster in
+    # two rounds, then at 6% of the configured rate; whole runs trained at 0.06x.
+    from types import SimpleNamespace as Run
+
+    from stoker.observe.tune_plan import paired_gains
+
+    base, threads = Candidate(0), Candidate(0, threads=2)
+    finals = {
+        base: [Run(round=2, rate=4099.0), Run(round=3, rate=4057.0), Run(round=4, rate=4128.0)],
+        threads: [Run(round=2, rate=5072.0), Run(round=3, rate=5416.0), Run(round=4, rate=232.0)],
+    }
+    gains = paired_gains(finals, base)
+    assert gains[threads] == pytest.approx(232.0 / 4128.0)
+    # Ordinary noise (a round at 0.8x) still predicts from the fastest runs.
+    finals[threads][2] = Run(round=4, rate=3300.0)
+    assert paired_gains(finals, base)[threads] == pytest.approx(5416.0 / 4128.0)
