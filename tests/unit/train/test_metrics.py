@@ -140,9 +140,13 @@ def test_state_dict_holds_the_held_batches_and_a_restore_drops_later_ones() -> N
         "scoring",
         "perplexity",
         "batches",
+        "held",
+        "hold",
     }
     assert state["loss_sum"].dtype == torch.float32 and state["correct"].dtype == torch.long
-    assert state["samples"] == 48 and state["scored"].item() == 48 and state["scoring"]
+    assert state["samples"] == 48 and state["scoring"]
+    # Batch 1 is folded (it sets how many to hold); batches 2-6 are saved as held.
+    assert state["scored"].item() == 8 and len(state["held"]) == 5
 
     resumed = TaskMetrics("classification")
     resumed.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
@@ -150,11 +154,27 @@ def test_state_dict_holds_the_held_batches_and_a_restore_drops_later_ones() -> N
         resumed.update(*batch)
     whole = _expected("classes", batches)
     assert resumed.compute("val") == pytest.approx(whole, rel=1e-6)
+    straight = TaskMetrics("classification")
+    for batch in batches:
+        straight.update(*batch)
+    assert resumed.compute("val") == straight.compute("val")  # folded alike: bitwise
 
     metrics.update(torch.randn(8, 3), torch.zeros(8, dtype=torch.long), torch.tensor(math.nan), 8)
     metrics.load_state_dict(state)  # a skipped step's NaN loss is held, then dropped
     assert math.isfinite(metrics.compute("val")["val/loss"])
     assert metrics.samples == 48
+
+
+def test_saving_the_state_mid_epoch_does_not_change_the_sums_bitwise() -> None:
+    """A run checkpointed every step reports what the same run with no checkpoint does."""
+    for kind, task in (("classes", "classification"), ("regression", "regression")):
+        batches = _batches(kind, steps=40)
+        saved, plain = TaskMetrics(task), TaskMetrics(task)
+        for batch in batches:
+            saved.update(*batch)
+            saved.state_dict()
+            plain.update(*batch)
+        assert saved.compute("train") == plain.compute("train"), kind
 
 
 def test_updates_are_detached_and_keep_no_graph() -> None:
