@@ -260,6 +260,11 @@ class TaskMetrics:
         totals["scoring"], totals["perplexity"] = totals["scoring"] > 0, totals["perplexity"] > 0
         return totals
 
+    @property
+    def device(self) -> torch.device:
+        """Where the sums are kept (a restored state's: the CPU until the next fold)."""
+        return self._sums["loss_sum"].device
+
     def loss_sum(self) -> torch.Tensor:
         """The summed loss so far, on the device (reading it waits for the GPU)."""
         self._fold()

@@ -230,7 +230,7 @@ class StepFnMetrics:
             self._sums = {}
             return
         self.inner.load_state_dict(state["loss"])
-        device = self.inner.loss_sum().device
+        device = self.inner.device  # no fold: the held batches fold where they would
         self._sums = {name: value.to(device) for name, value in state["outputs"].items()}
 
     def snapshot(self) -> tuple[Any, ...]:
