@@ -160,10 +160,10 @@ def _verdict(m: Measurements) -> tuple[Verdict, str, list[str]]:
                 f"{1e6 / max(loader_now, 1e-9):.1f} µs per sample fetching and collating "
                 f"one at a time, while compute needs {1e6 / compute:.1f} µs",
                 [
-                    "fetch whole batches: set data.cache=memory (a deterministic dataset is read "
-                    "once into arrays and served a batch at a time, no code change), give the "
-                    "dataset a __getitems__(indices) that returns one batch, or keep the data "
-                    "in a stoker ArrayDataset (in-memory tensors); "
+                    "fetch whole batches: give the dataset a __getitems__(indices) that "
+                    "returns one batch, or keep the data in a stoker ArrayDataset (in-memory "
+                    "tensors); with no code change, data.cache=memory reads a deterministic "
+                    "dataset once into arrays and serves it a batch at a time; "
                     f"it can win up to {compute / max(pipeline, 1e-9):.1f}x (the compute ceiling)"
                 ],
             )
