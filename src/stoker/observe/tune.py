@@ -403,6 +403,8 @@ def tune(
             "memory, and every epoch sees the first one's samples (no random augmentation "
             "before the cache)"
         )
+        if calibration is not None:  # the cache serves whole batches: no fetch to fix
+            code_notes = code_change_notes(fetch, calibration, batched=True)
     timings["total_s"] = time.perf_counter() - started
     # A code change the figures call for comes first: the "no change" or small gain
     # below is the best of what config can express, not of what the run can reach.
