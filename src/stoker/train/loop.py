@@ -196,12 +196,56 @@ _END = object()  # what next() returns once the epoch has no batch left
 
 
 def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow) -> int:
-    """One optimizer step over ``grad_accum_steps`` micro-batches.
+    """One optimizer step: fetch, transfer, forward, loss, backward, then ``_update``.
 
-    Returns how many micro-batches it used: 0 when the epoch had none left.
+    Returns how many micro-batches it used: 0 when the epoch had none left. With
+    ``grad_accum_steps`` > 1 the step is ``_train_accumulated``'s; this is the step of
+    one micro-batch, with no lists of micro-batches, no weights and no ``no_sync`` (a
+    lone backward always all-reduces). ``train_epoch`` calls it through the module each
+    step, so a test (``tests/faults/resume_child.py``) can patch it.
     """
-    if loop.grad_accum_steps == 1:
-        return _train_single(loop, batches, metrics, window)
+    if loop.grad_accum_steps != 1:
+        return _train_accumulated(loop, batches, metrics, window)
+    timer = loop.timer
+    now = timer.now  # each phase's end is read into a local; the timer takes them at the end
+    # 1. Fetch; the time blocked here is the data wait (its start ends the step before).
+    fetching = now()
+    batch = next(batches, _END)
+    fetched = now()
+    if batch is _END:
+        timer.close_step(fetching)  # the step before ends where this fetch began
+        return 0
+    objective = loop.objective
+    # Split into (inputs, targets) and counted on the host still: counting costs no sync.
+    inputs, targets, size = objective.take(batch)
+    # 2. Transfer: none on the CPU, where no clock is read for it either (it takes 0 s).
+    transferred = fetched
+    if timer.times_transfer:
+        inputs, targets = loop.to_device((inputs, targets))
+        transferred = now()
+    precision = loop.precision
+    # 3. Forward and 4. loss, in the run's precision (fp32: no context to enter).
+    if precision.dtype is None:
+        outputs, loss = objective(loop.model, inputs, targets)
+    else:
+        with precision.autocast():
+            outputs, loss = objective(loop.model, inputs, targets)
+    forwarded = now()
+    # 5. Backward: the batch's mean loss, unweighted.
+    precision.backward(loss)
+    step_loss = loss.detach()  # held by the metrics: the step's graph ends with the step
+    metrics.update(outputs, targets, step_loss, size)
+    loop.state.micro_step += 1
+    timer.record((fetching, fetched, transferred, forwarded, now()))
+    samples = size if loop.normalize == "samples" else batch_size_of(targets)
+    _update(loop, step_loss, metrics, window, 1, samples)
+    return 1
+
+
+def _train_accumulated(
+    loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
+) -> int:
+    """``train_step`` over ``grad_accum_steps`` micro-batches, their losses weighted."""
     state, timer = loop.state, loop.timer
     now = timer.now
     # 1. Fetch this step's micro-batches; the time blocked here is the data wait.
@@ -212,15 +256,14 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
         timer.close_step(fetching)  # the step before ends where this fetch began
         return 0
     objective = loop.objective
-    pairs = [objective.split(batch) for batch in micro_batches]  # (inputs, targets)
-    sizes = [objective.count(inputs, targets) for inputs, targets in pairs]
-    step_count = sum(sizes)
-    last = len(pairs) - 1
+    taken = [objective.take(batch) for batch in micro_batches]  # (inputs, targets, size)
+    step_count = sum(size for _, _, size in taken)
+    last = len(taken) - 1
     step_loss: torch.Tensor | None = None
 
-    for index, (pair, size) in enumerate(zip(pairs, sizes, strict=True)):
+    for index, (inputs, targets, size) in enumerate(taken):
         # 2. Transfer (non_blocking: overlaps with compute when the batch is pinned).
-        inputs, targets = loop.to_device(pair)
+        inputs, targets = loop.to_device((inputs, targets))
         # On the CPU there is nothing to time: the transfer ends where it began.
         transferred = now() if timer.times_transfer else readings[-1]
         # Under DDP only the step's last backward all-reduces the gradients.
@@ -247,51 +290,10 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     step_samples = (
         step_count  # already counted samples for the loss weights
         if loop.normalize == "samples"
-        else sum(batch_size_of(targets) for _, targets in pairs)
+        else sum(batch_size_of(targets) for _, targets, _ in taken)
     )
-    _update(loop, step_loss, metrics, window, batches=len(pairs), samples=step_samples)
-    return len(pairs)
-
-
-def _train_single(
-    loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window: StepWindow
-) -> int:
-    """``train_step`` for ``grad_accum_steps=1``: the same step, with no lists of
-    micro-batches, no weights and no ``no_sync`` (a lone backward always all-reduces)."""
-    timer = loop.timer
-    now = timer.now  # each phase's end is read into a local; the timer takes them at the end
-    # 1. Fetch; the time blocked here is the data wait (its start ends the step before).
-    fetching = now()
-    batch = next(batches, _END)
-    fetched = now()
-    if batch is _END:
-        timer.close_step(fetching)  # the step before ends where this fetch began
-        return 0
-    objective = loop.objective
-    inputs, targets = objective.split(batch)
-    size = objective.count(inputs, targets)  # on the host still: counting costs no sync
-    # 2. Transfer: none on the CPU, where no clock is read for it either (it takes 0 s).
-    transferred = fetched
-    if timer.times_transfer:
-        inputs, targets = loop.to_device((inputs, targets))
-        transferred = now()
-    precision = loop.precision
-    # 3. Forward and 4. loss, in the run's precision (fp32: no context to enter).
-    if precision.dtype is None:
-        outputs, loss = objective(loop.model, inputs, targets)
-    else:
-        with precision.autocast():
-            outputs, loss = objective(loop.model, inputs, targets)
-    forwarded = now()
-    # 5. Backward: the batch's mean loss, unweighted.
-    precision.backward(loss)
-    step_loss = loss.detach()  # held by the metrics: the step's graph ends with the step
-    metrics.update(outputs, targets, step_loss, size)
-    loop.state.micro_step += 1
-    timer.record((fetching, fetched, transferred, forwarded, now()))
-    samples = size if loop.normalize == "samples" else batch_size_of(targets)
-    _update(loop, step_loss, metrics, window, batches=1, samples=samples)
-    return 1
+    _update(loop, step_loss, metrics, window, len(taken), step_samples)
+    return len(taken)
 
 
 def _update(
@@ -299,16 +301,17 @@ def _update(
     step_loss: torch.Tensor,
     metrics: TaskMetrics,
     window: StepWindow,
-    *,
     batches: int,
     samples: int,
 ) -> None:
     """Steps 6 to 9 of a step whose gradients are accumulated: check, update, record."""
     state, precision, optimizer = loop.state, loop.precision, loop.optimizer
     calls = loop.optimizer_calls
+    scaling = precision.name == "fp16"  # loss scaling: what `precision.scaling` reports
     # 6. Unscale (fp16), then check the loss and every gradient for inf/NaN before clipping
     # or the optimizer touch anything: the step's one CPU–GPU sync point.
-    precision.unscale_(optimizer)
+    if scaling:
+        precision.unscale_(optimizer)
     verdict = check_step(loop, step_loss, metrics, batches=batches)
     norm = None
     sampled = False
@@ -321,7 +324,8 @@ def _update(
         if not window.norms or loop.clipper.clipping:
             norm = _clip(loop, wanted=not window.norms)
         calls.step()  # precision.step(optimizer) when scaling (fp16)
-        loop.numerics.stepped()
+        if scaling:
+            loop.numerics.stepped()  # an fp16 overflow streak, if any, is over
     elif verdict == "overflow":
         overflow_step(loop)  # fp16: the scaler skips the step and lowers its scale
     else:
@@ -340,7 +344,7 @@ def _update(
     state.step += 1
     state.samples_seen += samples
     if verdict != "skipped":
-        window.loss_sum += loop.finite_check().loss_value
+        window.loss_sum += loop._finite.loss_value  # type: ignore[union-attr]
         window.losses += 1
     if norm is not None:
         window.grad_norm += norm if isinstance(norm, float) else norm.float().to(loop.device)
