@@ -112,9 +112,11 @@ def _verdict(m: Measurements) -> tuple[Verdict, str, list[str]]:
         f"compute alone {compute:,.0f}, the pipeline {pipeline:,.0f}"
     )
     share = f"the pipeline waits for data {wait:.0%} of the time"
-    best_threads = max(m.thread_rates.values(), default=0.0)
+    # Oversubscribed: faster at fewer threads (more threads faster is a change, not a fault).
+    fewer = {count: rate for count, rate in m.thread_rates.items() if count < m.torch_threads}
+    best_threads = max(fewer.values(), default=0.0)
     if wait < INPUT_BOUND_WAIT and best_threads >= THREADS_GAIN * compute:
-        count = max(m.thread_rates, key=m.thread_rates.__getitem__)
+        count = max(fewer, key=fewer.__getitem__)
         return (
             "threads-oversubscribed",
             f"compute alone runs {best_threads / compute:.1f}x faster at {count} intra-op "

@@ -255,9 +255,11 @@ def measure_stages(
         fused_rate = compute_alone(fused_config, seconds / 2).samples_per_s
     torch_threads = torch.get_num_threads()
     thread_rates = {}
-    if torch_threads > 1 and device.type == "cpu":
-        fewer = {1, max(1, cores // (workers + 1))} - {torch_threads}
-        for count in sorted(fewer):
+    if device.type == "cpu":
+        # Fewer threads when they oversubscribe the cores; more when cores sit unused (a
+        # run limited to one thread, e.g. by OMP_NUM_THREADS, on cores the loader leaves).
+        others = {1, max(1, cores // (workers + 1))} - {torch_threads}
+        for count in sorted(others):
             say(f"compute alone at {count} intra-op thread(s)")
             with thread_count(count):
                 thread_rates[count] = compute_alone(config, seconds / 2).samples_per_s

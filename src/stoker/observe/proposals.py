@@ -147,7 +147,11 @@ def threads_change(m: Measurements) -> Change | None:
         why=(
             f"compute alone runs {rate:,.0f} samples/s at {count} intra-op thread(s) vs "
             f"{m.compute_samples_per_s:,.0f} at {m.torch_threads} on {m.cores} cores: "
-            "the threads wait for each other and for the loader's processes"
+            + (
+                "the threads wait for each other and for the loader's processes"
+                if count < m.torch_threads
+                else "cores the loader leaves free sit unused"
+            )
         ),
         predicted_gain=gain,
     )

@@ -124,6 +124,24 @@ def test_compute_faster_at_fewer_threads_is_thread_oversubscription() -> None:
     assert "8.0x faster at 1 intra-op thread(s) than at 8" in diagnosis.reason
 
 
+def test_compute_faster_at_more_threads_is_a_change_not_oversubscription() -> None:
+    """One thread (OMP_NUM_THREADS=1) on 2 free cores: more threads are proposed, and the
+    verdict stays compute-bound."""
+    diagnosis = diagnose(
+        measured(
+            torch_threads=1,
+            thread_rates={2: 8_000.0},
+            loader=points(w0=5_000_000),
+            pipeline=pipeline(4_950.0, 0.0),
+        )
+    )
+    assert diagnosis.verdict == "compute-bound"
+    assert diagnosis.settings == {"train.threads": 2}
+    assert "at 2 intra-op thread(s) vs 5,000 at 1" in diagnosis.recommendation
+    assert "cores the loader leaves free sit unused" in diagnosis.recommendation
+    assert diagnosis.expected_gain == pytest.approx(8_000 / 4_950, rel=0.02)
+
+
 def test_a_run_whose_loader_and_compute_are_close_is_balanced_with_nothing_to_set() -> None:
     diagnosis = diagnose(
         measured(
