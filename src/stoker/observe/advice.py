@@ -47,6 +47,9 @@ OPTIMIZER_BOUND_SHARE = 0.35
 THREADS_GAIN = 1.3
 #: The configured loader's ceiling within this factor of compute: both stages bind.
 BALANCED_RATIO = 2.0
+#: A loader alone this much under compute still keeps up, once no setting ran faster:
+#: the two are timed apart, and their rates move by this much between measurements.
+KEEPS_UP_MARGIN = 1.1
 
 
 # --- the verdict -------------------------------------------------------------------------
@@ -356,14 +359,17 @@ def settle(diagnosis: Diagnosis, confirmed: dict[str, float]) -> Diagnosis:
     if (
         best is None
         and verdict in ("input-bound", "partly input-bound")
-        and compute <= loader < BALANCED_RATIO * compute
+        and compute / KEEPS_UP_MARGIN <= loader < BALANCED_RATIO * compute
     ):
-        # The loader alone keeps up, and no loader setting ran faster: the wait is the two
-        # stages sharing the cores and each batch's jitter, not a loader too slow (a wait
-        # of 21% here was called input-bound, with no setting to offer).
+        # The loader alone keeps up (or all but: two stages timed apart differ by that
+        # much), and no loader setting ran faster: the wait is the two stages sharing the
+        # cores and each batch's jitter, not a loader too slow (a wait of 21% here was
+        # called input-bound, with no setting to offer; a loader 5% under compute with
+        # an 11% wait, partly input-bound).
         verdict, bottleneck = "balanced", _BOTTLENECK["balanced"]
+        keeps_up = "keeps up with" if loader >= compute else "all but keeps up with"
         reason = (
-            f"{reason}; the loader alone keeps up with compute ({loader:,.0f} vs "
+            f"{reason}; the loader alone {keeps_up} compute ({loader:,.0f} vs "
             f"{compute:,.0f} samples/s) and no setting ran faster: the wait is the two "
             "sharing the machine"
         )

@@ -172,6 +172,20 @@ def test_a_wait_over_20pct_with_a_loader_that_keeps_up_and_nothing_faster_is_bal
     settled = settle(diagnosis, {c.label(): 1.01 for c in diagnosis.changes})
     assert settled.verdict == "balanced" and settled.bottleneck == "compute"
     assert "keeps up with compute (3,098 vs 2,720" in settled.reason
+    # A loader 5% under compute, an 11% wait, nothing faster: balanced too.
+    close = diagnose(
+        measured(
+            num_workers=4,
+            loader=points(w0=900, w2=1_600, w4=2_747, w8=2_800),
+            compute_samples_per_s=2_880.0,
+            pipeline=pipeline(2_573.0, 0.11),
+            fetch=fetch(1.1e-3, cpu_share=0.06),
+        )
+    )
+    assert close.verdict == "partly input-bound"
+    settled = settle(close, {c.label(): 1.0 for c in close.changes})
+    assert settled.verdict == "balanced"
+    assert "all but keeps up with compute (2,747 vs 2,880" in settled.reason
     # A loader slower than compute stays the bottleneck, confirmed or not.
     slow = diagnose(measured(loader=points(w0=1_000), pipeline=pipeline(1_000.0, 0.8)))
     assert settle(slow, {}).verdict != "balanced"
