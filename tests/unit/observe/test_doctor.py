@@ -136,15 +136,19 @@ def test_little_data_wait_is_compute_bound_with_no_loader_change() -> None:
     assert "bf16" in diagnosis.recommendation and "compile" in diagnosis.recommendation
 
 
-def test_cheap_samples_fetched_one_by_one_are_loader_overhead_not_a_worker_problem() -> None:
-    diagnosis = diagnose(
-        measurements(
-            loader=loader(w0=100_000, w1=38_000, w2=14_000, w3=15_000),
-            compute_samples_per_s=130_000.0,
-            pipeline=pipeline(30_000.0, 0.5),
-            fetch=fetch(4e-6, 0.7),
-        )
+def cheap_one_by_one(**changes) -> Measurements:
+    """Cheap samples (4 µs) fetched one at a time, 0 workers the fastest loader."""
+    return measurements(
+        loader=loader(w0=100_000, w1=38_000, w2=14_000, w3=15_000),
+        compute_samples_per_s=130_000.0,
+        pipeline=pipeline(30_000.0, 0.5),
+        fetch=fetch(4e-6, 0.7),
+        **changes,
     )
+
+
+def test_cheap_samples_fetched_one_by_one_are_loader_overhead_not_a_worker_problem() -> None:
+    diagnosis = diagnose(cheap_one_by_one())
     assert diagnosis.verdict == "loader-overhead"
     assert diagnosis.bottleneck == "loader"
     # 0 workers is already the best measured: no setting to change, a code change to make.
@@ -157,16 +161,7 @@ def test_cheap_samples_fetched_one_by_one_are_loader_overhead_not_a_worker_probl
 def test_cheap_samples_fetched_one_by_one_get_the_cache_proposed_for_a_short_run() -> None:
     """The cache serves whole batches with one gather: the setting that fixes loader
     overhead with no code change is proposed, to be measured, not only named in words."""
-    diagnosis = diagnose(
-        measurements(
-            loader=loader(w0=100_000, w1=38_000, w2=14_000, w3=15_000),
-            compute_samples_per_s=130_000.0,
-            pipeline=pipeline(30_000.0, 0.5),
-            fetch=fetch(4e-6, 0.7),
-            dataset_length=16_384,
-            epochs=5,
-        )
-    )
+    diagnosis = diagnose(cheap_one_by_one(dataset_length=16_384, epochs=5))
     assert diagnosis.verdict == "loader-overhead"
     assert diagnosis.settings == {"data.cache": "memory"}
     # 5 epochs at 30k/s (2.73 s) against a 66 ms fill, then 5 epochs at 122k/s (the
