@@ -120,6 +120,33 @@ def figures(rate: float, *, steps: int, step_s: float, overhead_s: float) -> Pip
     )
 
 
+def race_on(
+    clock: list[float],
+    candidates: list[Candidate],
+    baseline: Candidate,
+    calibration: PipelineFigures,
+    measure,
+    *,
+    deadline: float,
+    epochs: int = 1,
+    fewest: int = 3,
+    scale=lambda c: 1.0,
+):
+    """``race`` on a fake clock (``clock[0]``), epochs of unknown length, ``fewest`` steps."""
+    return race(
+        candidates,
+        baseline,
+        calibration,
+        measure,
+        deadline=deadline,
+        epochs=epochs,
+        epoch_steps=lambda c: None,
+        fewest=lambda c: fewest,
+        scale=scale,
+        clock=lambda: clock[0],
+    )
+
+
 def test_race_keeps_to_its_deadline_and_compares_the_winner_in_the_same_round() -> None:
     clock = [0.0]
     baseline = Candidate(0)
@@ -135,17 +162,8 @@ def test_race_keeps_to_its_deadline_and_compares_the_winner_in_the_same_round() 
         return figures(rate, steps=steps, step_s=step_s, overhead_s=0.3)
 
     calibration = figures(100.0, steps=5, step_s=0.64, overhead_s=0.3)
-    result = race(
-        [fused, threads, workers],
-        baseline,
-        calibration,
-        measure,
-        deadline=30.0,
-        epochs=2,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
+    result = race_on(
+        clock, [fused, threads, workers], baseline, calibration, measure, deadline=30.0, epochs=2
     )
     assert clock[0] <= 30.0
     together = Candidate(0, fused=True, threads=1)
@@ -167,18 +185,7 @@ def test_race_skips_runs_that_do_not_fit() -> None:
 
     calibration = figures(128.0, steps=5, step_s=0.5, overhead_s=0.3)
     candidates = [Candidate(w) for w in (1, 2, 3, 4)]
-    result = race(
-        candidates,
-        Candidate(0),
-        calibration,
-        measure,
-        deadline=4.0,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
-    )
+    result = race_on(clock, candidates, Candidate(0), calibration, measure, deadline=4.0)
     assert clock[0] <= 4.0
     assert result.dropped  # 4 runs of at least 1.8 s cannot fit in 4 s
     assert result.gain == pytest.approx(1.0)
@@ -308,18 +315,7 @@ def test_race_runs_the_likeliest_candidate_when_its_screen_share_is_too_short() 
         return figures(rate, steps=steps, step_s=64 / rate, overhead_s=0.3)
 
     calibration = figures(100.0, steps=5, step_s=0.64, overhead_s=0.3)
-    result = race(
-        [fast, slow],
-        Candidate(2),
-        calibration,
-        measure,
-        deadline=4.0,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
-    )
+    result = race_on(clock, [fast, slow], Candidate(2), calibration, measure, deadline=4.0)
     # The screen (55% of 4 s) is short of 3 steps and the start (2.2 s): before, both were
     # dropped and the configured settings raced alone; now the first gets the time left.
     assert fast not in result.dropped and slow in result.dropped
@@ -335,17 +331,13 @@ def test_race_repeats_a_final_round_only_as_long_as_the_last() -> None:
         clock[0] += 0.05 + steps * step_s / 2  # runs take half the time planned
         return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.05)
 
-    result = race(
+    result = race_on(
+        clock,
         [fused],
         baseline,
         figures(640.0, steps=5, step_s=0.1, overhead_s=0.05),
         measure,
         deadline=10.0,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
     )
     finals = [run for run in result.runs if run.round >= 2]
     # 3.2 s were left after the second round: room for 15 and 31 steps, shorter than its
@@ -391,17 +383,13 @@ def test_race_reruns_the_configured_settings_at_their_fewest_steps_in_the_last_r
         return figures(64 / step_s, steps=steps, step_s=step_s, overhead_s=0.3)
 
     # The calibration, the process's first run, took 0.3 s a step (one-off costs).
-    result = race(
+    result = race_on(
+        clock,
         [workers],
         baseline,
         figures(213.0, steps=5, step_s=0.3, overhead_s=0.3),
         measure,
         deadline=2.6,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
     )
     reruns = [run for run in result.runs if run.round == 2 and run.candidate == baseline]
     # Its equal share (1.1 s) held no 3 steps at the calibration's 0.3 s; before, the
@@ -420,17 +408,13 @@ def test_a_race_run_is_stopped_at_half_again_its_share() -> None:
         clock[0] = until if candidate == slow else clock[0] + 0.3 + steps * 0.1
         return figures(64.0, steps=steps, step_s=0.1, overhead_s=0.3)
 
-    race(
+    race_on(
+        clock,
         [slow, Candidate(0, fused=True)],
         Candidate(0),
         figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
         measure,
         deadline=20.0,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 3,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
     )
     # The screen's share is 55% of 20 s over 2: 5.5 s; before, the run could take all 20.
     assert ends[0] == pytest.approx(1.5 * 5.5)
@@ -468,17 +452,14 @@ def test_without_a_whole_last_round_the_configured_settings_latest_run_is_the_re
         clock[0] += 0.3 + steps * 64 / 960
         return figures(960.0, steps=steps, step_s=64 / 960, overhead_s=0.3)
 
-    result = race(
+    result = race_on(
+        clock,
         [fused],
         baseline,
         figures(640.0, steps=5, step_s=0.1, overhead_s=0.3),
         measure,
         deadline=4.0,
-        epochs=1,
-        epoch_steps=lambda c: None,
-        fewest=lambda c: 5,
-        scale=lambda c: 1.0,
-        clock=lambda: clock[0],
+        fewest=5,
     )
     assert [(r.candidate == fused, r.round) for r in result.runs[1:]] == [(True, 1), (False, 2)]
     # Before: against the calibration (640), 1.5x; against the later run beside it, 3x.
