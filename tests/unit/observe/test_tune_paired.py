@@ -236,6 +236,9 @@ def test_a_candidate_that_collapses_in_one_paired_round_is_no_gain() -> None:
     }
     gains = paired_gains(finals, base)
     assert gains[threads] == pytest.approx(232.0 / 4128.0)
-    # Ordinary noise (a round at 0.8x) still predicts from the fastest runs.
+    # Ordinary noise (a round at 0.8x): three rounds predict their median ratio.
     finals[threads][2] = Run(round=4, rate=3300.0)
-    assert paired_gains(finals, base)[threads] == pytest.approx(5416.0 / 4128.0)
+    assert paired_gains(finals, base)[threads] == pytest.approx(5072.0 / 4099.0)
+    # Two rounds: the fastest run over the configured settings' fastest.
+    two = {base: finals[base][:2], threads: finals[threads][:2]}
+    assert paired_gains(two, base)[threads] == pytest.approx(5416.0 / 4099.0)
