@@ -139,8 +139,13 @@ def threads_change(m: Measurements) -> Change | None:
     if not m.thread_rates:
         return None
     count, rate = max(m.thread_rates.items(), key=lambda item: item[1])
+    if count == m.torch_threads or rate <= m.compute_samples_per_s:
+        # Not faster alone: any gain the ceilings predicted would be the pipeline's own
+        # shortfall against them, which no thread count wins back (2 threads at 222k
+        # against 246k at 1 were proposed beside a cache, at a predicted 1.17x).
+        return None
     gain = _rate_with(m, compute=rate) / max(now_rate(m), 1e-12)
-    if count == m.torch_threads or gain <= MIN_GAIN:
+    if gain <= MIN_GAIN:
         return None
     return Change(
         settings={"train.threads": count},

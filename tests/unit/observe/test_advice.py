@@ -142,6 +142,21 @@ def test_compute_faster_at_more_threads_is_a_change_not_oversubscription() -> No
     assert diagnosis.expected_gain == pytest.approx(8_000 / 4_950, rel=0.02)
 
 
+def test_a_thread_count_slower_alone_is_never_proposed() -> None:
+    """The pipeline runs under its ceilings' prediction; a thread count whose compute is
+    slower alone must not take credit for that gap."""
+    slower = measured(
+        torch_threads=1,
+        thread_rates={2: 222_000.0},
+        loader=points(w0=30_000),
+        compute_samples_per_s=246_000.0,
+        pipeline=pipeline(22_500.0, 0.8),
+    )
+    assert all("train.threads" not in c.settings for c in diagnose(slower).changes)
+    faster = dataclasses.replace(slower, thread_rates={2: 400_000.0})
+    assert any(c.settings == {"train.threads": 2} for c in diagnose(faster).changes)
+
+
 def test_a_run_whose_loader_and_compute_are_close_is_balanced_with_nothing_to_set() -> None:
     diagnosis = diagnose(
         measured(
