@@ -337,10 +337,18 @@ def paired_ratios(
 
 
 def applied_advice(s: Scenario, diagnosis: Any) -> dict[str, Any]:
-    """The doctor's advice as a user applies it: its settings, and the code change it names."""
+    """The doctor's advice as a user applies it: its settings, and the code change it names.
+
+    Where the advice offers ``data.cache=memory`` as the no-code stand-in for batched
+    fetch ("with no code change, data.cache=memory ..."), a user who makes the code change
+    leaves the stand-in out: the two are alternatives, and the cache's fill would only
+    add a per-sample pass to a dataset that now fetches whole batches.
+    """
     settings = dict(diagnosis.settings)
     words = " ".join(diagnosis.code_advice)
     if "__getitems__" in words and any("code.data" in p for p in s.space):
+        if "with no code change, data.cache=memory" in words:
+            settings.pop("data.cache", None)
         settings.update(next(p for p in s.space if "code.data" in p))
     if "vectorise the collate_fn" in words and any("code.collate" in p for p in s.space):
         settings.update(next(p for p in s.space if "code.collate" in p))

@@ -190,6 +190,27 @@ def test_suite_states_tunes_share_of_the_best_and_of_the_best_by_config_alone() 
     assert totals["tune_reaches_80pct_of_config_best"] == 2
 
 
+def test_suite_applies_the_code_change_without_the_cache_it_stands_in_for(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    suite = _suite()
+    listed = suite.scenarios(tmp_path, 2)
+    scenario = next(s for s in listed if s.name == "per_sample_in_memory")
+    batched = next(p for p in scenario.space if "code.data" in p)
+    stand_in = SimpleNamespace(
+        settings={"data.cache": "memory", "train.threads": 1},
+        code_advice=[
+            "fetch whole batches: give the dataset a __getitems__(indices) ...; "
+            "with no code change, data.cache=memory reads a deterministic dataset"
+        ],
+    )
+    assert suite.applied_advice(scenario, stand_in) == {"train.threads": 1, **batched}
+    both = SimpleNamespace(
+        settings={"data.cache": "memory"}, code_advice=["fetch whole batches (__getitems__)"]
+    )
+    assert suite.applied_advice(scenario, both) == {"data.cache": "memory", **batched}
+
+
 def test_two_rounds_with_one_loaded_run_predict_the_unloaded_ratio() -> None:
     # Two rounds (a median is then the mean): the configured settings once at half speed.
     from types import SimpleNamespace as Run
