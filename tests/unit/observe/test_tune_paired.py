@@ -165,7 +165,7 @@ def test_suite_measures_realized_gains_as_paired_ratios_in_alternating_order(
 
     monkeypatch.setattr(suite, "real_rate", real_rate)
     rates = {configured: [90.0], tuned: [200.0]}
-    ratios = suite.paired_ratios(None, [configured, tuned], rates)
+    ratios = suite.paired_ratios(None, [configured, tuned], rates, rounds=3)
     assert calls == [configured, tuned, tuned, configured, configured, tuned]
     assert ratios[tuned] == [3.0, 3.0, 3.0] and ratios[configured] == [1.0, 1.0, 1.0]
     assert rates[configured] == [90.0, 100.0, 50.0, 100.0]
