@@ -44,7 +44,7 @@ CACHE_FILL_SHARE = 0.25
 #: A cache whose decoded samples would take more than this share of free memory is not tried.
 CACHE_MEMORY_SHARE = 0.5
 #: The most rounds of the configured settings against the finalists, side by side.
-MAX_FINAL_ROUNDS = 3
+MAX_FINAL_ROUNDS = 5
 #: The most a run's fixed cost is taken to be before the race has run one.
 FIRST_OVERHEAD_S = 0.5
 #: Candidates besides the configured settings measured again, longer, in the last round.

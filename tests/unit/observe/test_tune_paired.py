@@ -67,7 +67,7 @@ def test_race_predicts_from_the_fastest_paired_runs_in_alternating_order() -> No
         clock=lambda: clock[0],
     )
     finals = [(run.round, run.candidate) for run in result.runs if run.round >= 2]
-    # Round 2 runs the configured settings first, round 3 last, round 4 first again.
+    # Round 2 runs the configured settings first, round 3 last, round 4 first again...
     assert finals == [
         (2, baseline),
         (2, fused),
@@ -75,6 +75,10 @@ def test_race_predicts_from_the_fastest_paired_runs_in_alternating_order() -> No
         (3, baseline),
         (4, baseline),
         (4, fused),
+        (5, fused),
+        (5, baseline),
+        (6, baseline),
+        (6, fused),
     ]
     assert result.winner == fused
     assert result.gain == pytest.approx(1.5)
