@@ -114,12 +114,22 @@ def doctor_checks(report: dict[str, Any]) -> list[Check]:
             0.8,
             note=note,
         ),
+        # tune --write writes config: its target is the best config can reach; the share
+        # of the sweep's best (code changes included, which the tuner names in a note) is
+        # shown beside it.
         target_check(
             bench,
-            "tune --write reaches 80% of the best gain",
-            s["tune_reaches_80pct"] / with_gain,
+            "tune --write reaches 80% of the best gain by config",
+            s["tune_reaches_80pct_of_config_best"] / max(s["with_config_gain"], 1),
             ">=",
             0.8,
+            note=f"of {s['with_config_gain']} scenarios with a gain config can reach",
+        ),
+        info(
+            bench,
+            "tune --write reaches 80% of the best gain, code changes included",
+            s["tune_reaches_80pct"] / with_gain,
+            unit="x",
             note=note,
         ),
         target_check(
