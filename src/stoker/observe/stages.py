@@ -288,6 +288,38 @@ def measure_loader(
         release_loader(loader)
 
 
+def time_train_loader(
+    config: RunConfig,
+    pipeline: Pipeline,
+    overrides: dict[str, Any],
+    *,
+    data: Any = None,
+    seconds: float,
+    repeats: int = 3,
+    **measure: Any,
+) -> Rate:
+    """The run's training loader alone, built with ``overrides`` (``loader_overrides``,
+    ``Candidate.overrides``) over ``data`` (default: the run's), timed by
+    ``measure_loader`` past its workers' prefetched batches; ``measure``: its other
+    options (``consume``, ``max_s``)."""
+    loader = build_train_loader(
+        config,
+        pipeline.train_data if data is None else data,
+        device=pipeline.device,
+        collate_fn=pipeline.collate_fn,
+        **overrides,
+    )
+    workers, prefetch = overrides["num_workers"], overrides["prefetch_factor"]
+    return measure_loader(
+        loader,
+        seconds=seconds,
+        repeats=repeats,
+        warmup_batches=warmup_batches(workers, prefetch),
+        burst=burst_size(workers, prefetch),
+        **measure,
+    )
+
+
 def sweep_workers(
     config: RunConfig,
     pipeline: Pipeline,
@@ -300,24 +332,12 @@ def sweep_workers(
     loader_cfg = config.loader
     points = []
     for count in counts:
-        loader = build_train_loader(
-            config,
-            pipeline.train_data,
-            device=pipeline.device,
-            collate_fn=pipeline.collate_fn,
-            **loader_overrides(
-                count,
-                prefetch_factor=loader_cfg.prefetch_factor,
-                persistent_workers=loader_cfg.persistent_workers,
-            ),
+        overrides = loader_overrides(
+            count,
+            prefetch_factor=loader_cfg.prefetch_factor,
+            persistent_workers=loader_cfg.persistent_workers,
         )
-        rate = measure_loader(
-            loader,
-            seconds=seconds,
-            repeats=repeats,
-            warmup_batches=warmup_batches(count, loader_cfg.prefetch_factor),
-            burst=burst_size(count, loader_cfg.prefetch_factor),
-        )
+        rate = time_train_loader(config, pipeline, overrides, seconds=seconds, repeats=repeats)
         points.append(
             LoaderPoint(
                 num_workers=count,

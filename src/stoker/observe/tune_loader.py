@@ -7,14 +7,8 @@ import warnings
 
 from stoker.config import RunConfig
 from stoker.observe.halving import Candidate
-from stoker.observe.stages import (
-    PerSampleView,
-    burst_size,
-    copy_to,
-    measure_loader,
-    warmup_batches,
-)
-from stoker.train.pipeline import Pipeline, build_train_loader
+from stoker.observe.stages import PerSampleView, copy_to, time_train_loader
+from stoker.train.pipeline import Pipeline
 
 __all__ = ["WORKER_WARNING", "LoaderMeasure"]
 
@@ -40,25 +34,18 @@ class LoaderMeasure:
         data = PerSampleView(pipeline.train_data) if candidate.per_sample else pipeline.train_data
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=WORKER_WARNING)
-            loader = build_train_loader(
+            rate = time_train_loader(
                 self.config,
-                data,
-                device=pipeline.device,
-                collate_fn=pipeline.collate_fn,
-                **candidate.overrides(),
-            )
-            rate = measure_loader(
-                loader,
+                pipeline,
+                candidate.overrides(),
+                data=data,
                 seconds=seconds,
                 repeats=self.repeats,
-                warmup_batches=warmup_batches(candidate.num_workers, candidate.prefetch_factor),
-                burst=burst_size(candidate.num_workers, candidate.prefetch_factor),
                 consume=copy_to(pipeline.device),
                 # Warm-up and bursts included, a candidate costs at most twice its share.
                 max_s=2 * seconds + 0.05,
             )
-        del loader
-        # Its workers stop now, in this measurement's time: a loader left for the garbage
+        # Its loader's workers stop now, in this measurement's time: a loader left for the garbage
         # collector would stop in the middle of a later run, and workers forked before
         # then inherit it (its shutdown then waits seconds on them).
         gc.collect()

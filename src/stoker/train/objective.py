@@ -69,17 +69,7 @@ class LossStep:
 
     def __call__(self, model: nn.Module, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor]:
         """``(outputs, loss)`` of one micro-batch: the model's forward, then the loss."""
-        if type(inputs) is torch.Tensor:
-            try:  # forward()'s common case, inlined: one call fewer per micro-batch
-                outputs = model(inputs)
-            except (StokerError, torch.OutOfMemoryError):
-                raise
-            except Exception as error:
-                from stoker.train.model_errors import explain_model_failure
-
-                raise explain_model_failure(error, model, inputs) from error
-        else:
-            outputs = forward(model, inputs)
+        outputs = forward(model, inputs)
         try:
             return outputs, self.loop.loss_fn(outputs, targets)
         except (RuntimeError, ValueError, IndexError) as error:

@@ -297,6 +297,19 @@ def test_measuring_then_clipping_is_bitwise_clip_grad_norm(mlp_factory) -> None:
     assert GradClipper(max_value=1.0).measure([p.grad for p in params], wanted=False) is None
 
 
+def _norms_before_each_step(loop, model) -> list[torch.Tensor]:
+    """The gradients' total norm as each optimizer step starts, appended as it runs."""
+    norms: list[torch.Tensor] = []
+    real_step = loop.optimizer_calls.step
+
+    def note_norm():
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        real_step()
+
+    loop.optimizer_calls.step = note_norm
+    return norms
+
+
 @pytest.mark.parametrize(("clip", "norms"), [(None, 1), (1e6, 3)])
 def test_the_grad_norm_is_measured_on_a_windows_first_step_unless_clipping_needs_it(
     clip, norms, toy_classification, mlp_factory
@@ -306,14 +319,7 @@ def test_the_grad_norm_is_measured_on_a_windows_first_step_unless_clipping_needs
     loop = _loop(model, clipper=GradClipper(max_norm=clip))
     batches = _batches(x[:96], y[:96], 32)
     metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
-    expected = []
-    real_step = loop.optimizer_calls.step
-
-    def note_norm():
-        expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-        real_step()
-
-    loop.optimizer_calls.step = note_norm
+    expected = _norms_before_each_step(loop, model)
     for _ in range(3):
         train_step(loop, batches, metrics, window)
     assert (window.steps, window.losses, window.norms) == (3, 3, norms)
@@ -347,14 +353,7 @@ def test_a_recorded_step_measures_no_norm_of_its_own(
     x, y = toy_classification
     model = mlp_factory()
     loop = _loop(model)
-    expected = []
-    real_step = loop.optimizer_calls.step
-
-    def note_norm():
-        expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-        real_step()
-
-    loop.optimizer_calls.step = note_norm
+    expected = _norms_before_each_step(loop, model)
     measured = []
     monkeypatch.setattr(GradClipper, "measure", lambda *a, **k: measured.append(1))
     metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
