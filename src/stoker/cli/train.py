@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, config)
     from stoker.train.session import train_run  # not in the launcher, which trains nothing
 
+    if inside_torchrun() and not faulthandler.is_enabled():
+        # A rank that dies on a fatal signal (SIGSEGV, SIGABRT from native code) prints
+        # every thread's Python stack first: the launcher's summary can only name the signal.
+        faulthandler.enable(all_threads=True)
     # Under torchrun the run resumes on as many processes as it has now.
     world = os.environ.get("WORLD_SIZE", "1")
     result = train_run(

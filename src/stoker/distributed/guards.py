@@ -191,6 +191,7 @@ class Watchdog:
         self._deadline: float | None = None
         self._where = ""
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
     def arm(self, where: str) -> None:
@@ -226,9 +227,19 @@ class Watchdog:
                 if deadline is not None:
                     self._deadline = time.monotonic() + self.timeout_s
 
+    def close(self) -> None:
+        """Stop watching for good, and wait for the watching thread to end.
+
+        The thread holds the process groups (through ``dist``): left running, they would
+        still be alive while the interpreter exits, their native threads with them.
+        """
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
+        while not self._closed.wait(min(1.0, self.timeout_s / 4)):
             with self._lock:
                 deadline, where = self._deadline, self._where
             if deadline is not None and time.monotonic() > deadline:

@@ -83,9 +83,16 @@ def _loopback_env() -> dict[str, str]:
 
 
 def _describe_failure(failed: object, *, max_restarts: int) -> str:
-    """The rank that failed first (the cause), then the others (usually its victims)."""
+    """The rank that failed first (the cause), then the others (usually its victims).
+
+    torchrun times a failure to the second, so the cause and its victims often tie: then
+    a rank killed by SIGTERM, which is what torchrun sends the survivors, comes after.
+    """
     failures = getattr(failed, "failures", {}) or {}
-    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    ordered = sorted(
+        failures.items(),
+        key=lambda item: (item[1].timestamp, item[1].exitcode == -signal.SIGTERM, item[0]),
+    )
     tried = f" after {max_restarts} restart(s)" if max_restarts else ""
     if not ordered:
         return f"distributed run failed{tried}"

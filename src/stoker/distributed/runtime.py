@@ -91,13 +91,17 @@ class Distributed:
         """Leave the process group (every rank, at the end of the run).
 
         A group the caller made before the run stays theirs: only the control group goes.
+        The references go too: a group lives, with its native threads, as long as anything
+        holds it, and one still alive while the interpreter exits can abort the process
+        (a restarted torchrun group lost a rank to SIGABRT that way).
         """
+        groups, self.control, self.saves = (self.control, self.saves), None, None
         if not (self.enabled and dist.is_initialized()):
             return
         if self.owns_group:
             dist.destroy_process_group()
             return
-        for group in (self.control, self.saves):
+        for group in groups:
             if group is not None:
                 dist.destroy_process_group(group)
 

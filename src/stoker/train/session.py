@@ -424,6 +424,7 @@ def _train_run(
         raise
     finally:
         threads.restore()
+        watchdog.close()
         train_loader.close()  # persistent workers end with the run, not at a collection
         if val_loader is not None:
             val_loader.close()

@@ -56,6 +56,14 @@ def test_failure_summary_names_the_first_rank_to_fail_and_its_signal():
     )
 
 
+def test_a_rank_torchrun_stopped_in_the_same_second_is_not_named_the_cause():
+    failed = SimpleNamespace(failures={0: failure(10, -15, 100), 1: failure(11, -6, 100)})
+    assert _describe_failure(failed, max_restarts=1) == (
+        "distributed run failed after 1 restart(s): rank 1 (pid 11) was killed by SIGABRT "
+        "first; then rank 0 was killed by SIGTERM; each rank's own error is printed above"
+    )
+
+
 def test_failure_summary_of_one_rank_with_an_exit_code():
     failed = SimpleNamespace(failures={2: failure(12, 3, 100)})
     assert _describe_failure(failed, max_restarts=0) == (

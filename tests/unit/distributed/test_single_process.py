@@ -13,7 +13,12 @@ from stoker.checkpoint import export_safetensors
 from stoker.config import DistributedConfig
 from stoker.data.samplers import EpochRandomSampler
 from stoker.distributed.env import RankInfo
-from stoker.distributed.guards import AgreedStop, _is_collective_failure, check_same_data
+from stoker.distributed.guards import (
+    AgreedStop,
+    Watchdog,
+    _is_collective_failure,
+    check_same_data,
+)
 from stoker.distributed.runtime import Distributed
 from stoker.distributed.sharding import rank_share
 from stoker.train.resume import PlainWeights
@@ -112,3 +117,21 @@ def test_the_loader_moves_to_the_next_epoch_by_itself(toy_classification):
         second = torch.cat([batch[1] for batch in loader])
     assert loader.epoch == 2
     assert not torch.equal(first, second)
+
+
+def test_a_closed_watchdog_has_ended_its_thread():
+    # The thread holds the process groups: still running, they would outlive the run.
+    watchdog = Watchdog(Distributed(RankInfo(rank=1, world_size=2), timeout_s=600))
+    watchdog.arm("epoch 1, batch 1")
+    thread = watchdog._thread
+    assert thread is not None and thread.is_alive()
+    watchdog.close()
+    assert not thread.is_alive()
+    assert watchdog._thread is None
+
+
+def test_closing_lets_go_of_the_groups_even_when_torch_has_none():
+    dist = Distributed(RankInfo(rank=0, world_size=2), timeout_s=5)
+    dist.control, dist.saves = object(), object()
+    dist.close()  # no default group here: nothing to destroy, but nothing kept either
+    assert dist.control is None and dist.saves is None
