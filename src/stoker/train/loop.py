@@ -139,6 +139,13 @@ class Loop:
     step_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
     #: Steps 3 and 4, forward and loss (``stoker.train.objective``).
     objective: LossStep | UserStep = field(init=False, repr=False)
+    #: The last micro-batch's loss with its graph, kept until the next step has run its
+    #: backward, as a hand loop's ``loss`` variable is. The graph's saved tensors are
+    #: freed by backward already; what it keeps is its nodes, and through them the
+    #: parameters' gradient accumulators, which the next forward then reuses instead of
+    #: building four new ones per step (about 7,000 instructions, 0.7% of the seed MLP's
+    #: step). Dropped at the end of each epoch.
+    kept_graph: torch.Tensor | None = field(default=None, init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
 
@@ -233,7 +240,11 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     forwarded = now()
     # 5. Backward: the batch's mean loss, unweighted.
     precision.backward(loss)
-    step_loss = loss.detach()  # held by the metrics: the step's graph ends with the step
+    # Held by the metrics and recorded: the values without the graph. ``.data`` is the
+    # same tensor as ``detach()`` gives but made without a dispatch (a tenth of its cost);
+    # its own version counter does not matter, as nothing writes to it.
+    step_loss = loss.data
+    loop.kept_graph = loss
     metrics.update(outputs, targets, step_loss, size)
     loop.state.micro_step += 1
     timer.record((fetching, fetched, transferred, forwarded, now()))
@@ -277,7 +288,7 @@ def _train_accumulated(
             # micro-batch or group. A lone micro-batch has weight 1: no multiply (the
             # gradient is bitwise the same).
             loop.precision.backward(loss if last == 0 else loss * (size / step_count))
-        detached = loss.detach()
+        detached = loss.data  # as in train_step
         metrics.update(outputs, targets, detached, size)
         weighted = detached.float()
         if last:
@@ -286,6 +297,7 @@ def _train_accumulated(
         state.micro_step += 1
         readings += (transferred, forwarded, now())
     timer.record(tuple(readings))
+    loop.kept_graph = loss  # as in train_step
     assert step_loss is not None  # there was at least one micro-batch
     step_samples = (
         step_count  # already counted samples for the loss weights
@@ -455,6 +467,7 @@ def train_epoch(loop: Loop) -> dict[str, Any]:
         else:
             advance(1)
     loop.timer.close_step()  # the last step, when max_steps (not the data) ended the epoch
+    loop.kept_graph = None  # validation and the epoch's end need none of it
     epoch_norm_sum += window.grad_norm
     epoch_norms += window.norms
     epoch_s = time.perf_counter() - started

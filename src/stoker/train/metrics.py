@@ -107,10 +107,9 @@ class TaskMetrics:
         """
         self.samples += count
         held = self._held
-        # A loss the caller already detached is held as it is (detach makes a new tensor).
-        held.append(
-            (outputs.detach(), targets, loss.detach() if loss.requires_grad else loss, count)
-        )
+        # ``.data``: detached as by ``detach()``, without its dispatch (see train_step).
+        # A loss the caller already detached is held as it is.
+        held.append((outputs.data, targets, loss.data if loss.requires_grad else loss, count))
         if len(held) >= self._hold:
             self._fold()
 

@@ -386,3 +386,43 @@ def test_clipping_by_norm_still_measures_as_clip_grad_norm(toy_classification, m
     train_step(loop, _batches(x[:64], y[:64], 32), metrics, window)
     train_step(loop, _batches(x[64:128], y[64:128], 32), metrics, window)
     assert calls == [True, False]  # every step: the clipped gradients are clip_grad_norm_'s
+
+
+def _accumulators(loss: torch.Tensor) -> list:
+    """The gradient accumulator nodes a loss's graph ends in (one per parameter)."""
+    found, stack = [], [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "AccumulateGrad":
+            found.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_step_reuses_the_gradient_accumulators_of_the_step_before(
+    accum, toy_classification, mlp_factory
+) -> None:
+    # The last step's graph is kept until the next step has run, as a hand loop's `loss`
+    # variable is: the next forward finds the parameters' accumulators still alive.
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model, accum=accum)
+    batches = _batches(x[:128], y[:128], 16)
+    metrics, window = TaskMetrics("classification"), StepWindow.empty(loop.device)
+    train_step(loop, batches, metrics, window)
+    assert loop.kept_graph is not None and loop.kept_graph.grad_fn is not None
+    first = _accumulators(loop.kept_graph)
+    assert len(first) == len(list(model.parameters()))
+    for node in first:
+        node.metadata["first step"] = True  # on the C++ node: seen again only if reused
+    del first  # the loop's reference alone keeps them now
+    train_step(loop, batches, metrics, window)
+    again = _accumulators(loop.kept_graph)
+    assert len(again) == len(list(model.parameters()))
+    assert all(node.metadata.get("first step") for node in again)
+    # What the metrics hold and the step records carry no graph.
+    assert loop.step_loss is not None and loop.step_loss.grad_fn is None
+    assert not loop.step_loss.requires_grad
