@@ -76,10 +76,8 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, config)
     from stoker.train.session import train_run  # not in the launcher, which trains nothing
 
-    if inside_torchrun() and not faulthandler.is_enabled():
-        # A rank that dies on a fatal signal (SIGSEGV, SIGABRT from native code) prints
-        # every thread's Python stack first: the launcher's summary can only name the signal.
-        faulthandler.enable(all_threads=True)
+    if inside_torchrun():
+        stacks_on_fatal_signals()
     # Under torchrun the run resumes on as many processes as it has now.
     world = os.environ.get("WORLD_SIZE", "1")
     result = train_run(
@@ -91,6 +89,17 @@ def run(args: argparse.Namespace) -> int:
         allow_config_change=args.allow_config_change,
     )
     return 0 if result.history else 1
+
+
+def stacks_on_fatal_signals() -> None:
+    """Have this process print every thread's Python stack if a fatal signal kills it.
+
+    For a rank under torchrun: one that dies of SIGSEGV or SIGABRT in native code (gloo,
+    a C extension) writes no Python error, and the launcher's summary can only name the
+    signal. A handler already installed (pytest's, the user's) is left as it is.
+    """
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 def _launch(args: argparse.Namespace, config: RunConfig) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -70,3 +73,21 @@ def test_failure_summary_of_one_rank_with_an_exit_code():
         "distributed run failed: rank 2 (pid 12) exited with code 3 first; "
         "each rank's own error is printed above"
     )
+
+
+def test_a_rank_killed_by_a_fatal_signal_prints_its_python_stack(tmp_path):
+    # In a process of its own: faulthandler is process-wide state.
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import faulthandler, os\n"
+        "faulthandler.disable()  # as a fresh rank starts: no handler yet\n"
+        "from stoker.cli.train import stacks_on_fatal_signals\n"
+        "stacks_on_fatal_signals()\n"
+        "def where_it_died():\n"
+        "    os.abort()\n"
+        "where_it_died()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in done.stderr
+    assert "in where_it_died" in done.stderr
