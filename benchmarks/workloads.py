@@ -380,7 +380,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--files", type=int, default=4000)
     parser.add_argument("--workers", type=int, default=0, help="loader processes (images)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs (own Dataset)")
