@@ -316,7 +316,7 @@ def _update(
     batches: int,
     samples: int,
 ) -> None:
-    """Steps 6 to 9 of a step whose gradients are accumulated: check, update, record."""
+    """Steps 6 to 9 of either step (one micro-batch or accumulated): check, update, record."""
     state, precision, optimizer = loop.state, loop.precision, loop.optimizer
     calls = loop.optimizer_calls
     scaling = precision.name == "fp16"  # loss scaling: what `precision.scaling` reports
