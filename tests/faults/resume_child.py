@@ -41,18 +41,32 @@ def arm(kill_at: str) -> None:
     if kind == "after_last":
         session_module.export_safetensors = lambda *a, **k: kill()
         return
-    real_step = loop_module.train_step
+    real_step, real_plain = loop_module.train_step, loop_module.plain_step
     steps_per_epoch = 6  # 96 samples / batch 16
 
-    def step(loop, *args, **kwargs):
+    def kill_if_due(loop) -> None:
         done = loop.state.step
         if (kind == "step" and done == int(value)) or (
             kind == "epoch_end" and done == (int(value) + 1) * steps_per_epoch
         ):
             kill()
+
+    def step(loop, *args, **kwargs):
+        kill_if_due(loop)
         return real_step(loop, *args, **kwargs)
 
-    loop_module.train_step = step
+    def plain(loop, metrics):  # the common run's steps (plain_step), killed the same way
+        inner = real_plain(loop, metrics)
+        if inner is None:
+            return None
+
+        def killing_step(batches, window):
+            kill_if_due(loop)
+            return inner(batches, window)
+
+        return killing_step
+
+    loop_module.train_step, loop_module.plain_step = step, plain
 
 
 def main() -> None:

@@ -348,16 +348,23 @@ class RollbackNeeded(Exception):
 
 
 def check_step(
-    loop: Loop, step_loss: torch.Tensor, metrics: TaskMetrics, *, batches: int
+    loop: Loop,
+    step_loss: torch.Tensor,
+    metrics: TaskMetrics,
+    *,
+    batches: int,
+    checked: tuple[bool, bool] | None = None,
 ) -> Literal["ok", "overflow", "skipped"]:
     """Whether the step may update the parameters; applies ``train.on_nonfinite`` if not.
 
     ``halt`` raises a TrainingError naming the step and the first parameter with a
     non-finite gradient; ``rollback`` raises RollbackNeeded (``train_epoch`` restores
-    the checkpoint); ``skip`` counts the step and returns "skipped".
+    the checkpoint); ``skip`` counts the step and returns "skipped". ``checked`` is the
+    check's ``(loss finite, gradients finite)`` when the caller already made it.
     """
     check = loop.finite_check()
-    loss_ok, grads_ok = check(step_loss)  # the CPU–GPU sync point
+    # The CPU–GPU sync point, unless the caller's check was it.
+    loss_ok, grads_ok = check(step_loss) if checked is None else checked
     guard = loop.numerics
     if not grads_ok:
         check.reset()

@@ -14,9 +14,10 @@ from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PhaseTimer
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import FiniteCheck, GradClipper, first_nonfinite_grad
-from stoker.train.loop import Loop, _record_window, train_step
+from stoker.train.loop import Loop, _record_window, plain_step, train_step
 from stoker.train.metrics import StepWindow, TaskMetrics
 from stoker.train.monitor import Monitor
+from stoker.train.numerics import NumericsGuard
 from stoker.train.precision import Precision
 from stoker.train.state import TrainState
 
@@ -426,3 +427,96 @@ def test_a_step_reuses_the_gradient_accumulators_of_the_step_before(
     # What the metrics hold and the step records carry no graph.
     assert loop.step_loss is not None and loop.step_loss.grad_fn is None
     assert not loop.step_loss.requires_grad
+
+
+# --- the plain step: the common run, from locals --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"grad_accum_steps": 2},
+        {"precision": Precision("bf16", torch.device("cpu"))},
+        {"clipper": GradClipper(max_norm=1.0)},
+        {"normalize": "tokens"},
+    ],
+    ids=["accumulating", "bf16", "clipping", "tokens"],
+)
+def test_the_plain_step_serves_the_common_run_only(change, mlp_factory) -> None:
+    loop = _loop(mlp_factory())
+    metrics = TaskMetrics("classification")
+    assert plain_step(loop, metrics) is not None  # fp32, one micro-batch, no clipping
+    for name, value in change.items():
+        setattr(loop, name, value)
+    assert plain_step(loop, metrics) is None  # train_step makes every step
+
+
+def _steps_taken(loop: Loop, metrics: TaskMetrics, *, plain: bool):
+    """``step(batches, window)`` of the plain step or of train_step."""
+    if plain:
+        step = plain_step(loop, metrics)
+        assert step is not None
+        return step
+    return lambda batches, window: train_step(loop, batches, metrics, window)
+
+
+def _train(model, x, y, *, plain: bool, policy: str = "halt") -> tuple[Loop, TaskMetrics, list]:
+    """Ten steps of 16, in windows of four, the gradients sampled every third step."""
+    loop = _loop(model)
+    loop.health = GradHealth(3, optimizer_kind="sgd")
+    loop.numerics = NumericsGuard(policy)
+    metrics = TaskMetrics("classification")
+    step = _steps_taken(loop, metrics, plain=plain)
+    batches, windows, window = _batches(x[:160], y[:160], 16), [], StepWindow.empty(loop.device)
+    while step(batches, window):
+        if window.steps == 4:
+            windows.append(window)
+            window = StepWindow.empty(loop.device)
+    windows.append(window)
+    return loop, metrics, windows
+
+
+@pytest.mark.parametrize("policy", ["halt", "skip"])
+def test_the_plain_step_trains_and_records_as_train_step_does(
+    policy, toy_classification, mlp_factory
+) -> None:
+    x, y = toy_classification
+    x = x.clone()
+    if policy == "skip":
+        x[70, 0] = math.nan  # the fifth batch: a step that is skipped and counted
+    runs = {plain: _train(mlp_factory(), x, y, plain=plain, policy=policy) for plain in (1, 0)}
+    (fast, fast_metrics, fast_windows), (slow, slow_metrics, slow_windows) = runs[1], runs[0]
+    for a, b in zip(fast.model.parameters(), slow.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # bitwise: the same calls in the same order
+    state_of = lambda loop: (loop.state.step, loop.state.micro_step, loop.state.samples_seen)  # noqa: E731
+    assert state_of(fast) == state_of(slow) == (10, 10, 160)
+    assert fast_metrics.compute("train") == slow_metrics.compute("train")
+    assert fast.timer.steps == slow.timer.steps == 10
+    assert fast.numerics.skipped_steps == slow.numerics.skipped_steps
+    assert len(fast.numerics.skipped_steps) == (policy == "skip")
+    # The health sampled steps 0, 3, 6 and 9, through _update, into the same records.
+    health = [r for r in fast.sink.records if any(k.startswith("grad/layer/") for k in r)]
+    assert [r["step"] for r in health] == [1, 4, 7, 10]
+    assert fast.sink.records == slow.sink.records
+    counts = [(w.steps, w.losses, w.norms, w.samples) for w in fast_windows]
+    assert counts == [(w.steps, w.losses, w.norms, w.samples) for w in slow_windows]
+    assert counts[0] == (4, 4, 1, 64) and counts[-1] == (2, 2, 1, 32)
+    for a, b in zip(fast_windows, slow_windows, strict=True):
+        assert a.loss_sum == b.loss_sum
+        assert torch.equal(a.grad_norm, b.grad_norm)
+
+
+def test_a_non_finite_loss_halts_the_plain_step_naming_the_step(mlp_factory) -> None:
+    loop = _loop(mlp_factory())
+    step = _steps_taken(loop, TaskMetrics("classification"), plain=True)
+    x = torch.randn(8, 8)
+    x[0, 0] = float("nan")
+    batches = iter(
+        [(torch.randn(8, 8), torch.zeros(8, dtype=torch.long))] * 2
+        + [(x, torch.zeros(8, dtype=torch.long))]
+    )
+    window = StepWindow.empty(loop.device)
+    assert step(batches, window) == step(batches, window) == 1
+    with pytest.raises(TrainingError, match="non-finite loss at step 3"):
+        step(batches, window)
+    assert loop.state.step == 2  # nothing was updated
