@@ -29,8 +29,8 @@ Task = Literal["classification", "regression", "none"]
 _HOLD_STEPS = 256
 _HOLD_ELEMENTS = 1 << 18
 
-#: One held batch: detached outputs, targets, detached mean loss, count.
-_Held = tuple[torch.Tensor, Any, torch.Tensor, int]
+#: One held batch: detached outputs, targets, mean loss (detached, or a host number), count.
+_Held = tuple[torch.Tensor, Any, torch.Tensor | float, int]
 
 #: The running sums, in this order in snapshots and in the distributed all-reduce.
 _SUMS = ("loss_sum", "correct", "scored", "abs_err", "sq_err", "nll_sum", "tokens")
@@ -99,17 +99,24 @@ class TaskMetrics:
         # 0 until the first batch is folded, which picks how many later ones are held.
         self._hold = 0
 
-    def update(self, outputs: torch.Tensor, targets: Any, loss: torch.Tensor, count: int) -> None:
+    def update(
+        self, outputs: torch.Tensor, targets: Any, loss: torch.Tensor | float, count: int
+    ) -> None:
         """Add one batch: the mean loss over ``count`` samples and the predictions.
 
         Detached references only: the batch's tensors must not be changed in place
-        afterwards (the loop's never are: each step has new ones).
+        afterwards (the loop's never are: each step has new ones). ``loss`` may be a host
+        number the caller has read already (the plain step's check reads it): holding a
+        float keeps no tensor alive until the fold, which on the CPU spares the allocator
+        a block kept per step for up to ``_HOLD_STEPS`` steps.
         """
         self.samples += count
-        held = self._held
         # ``.data``: detached as by ``detach()``, without its dispatch (see train_step).
         # A loss the caller already detached is held as it is.
-        held.append((outputs.data, targets, loss.data if loss.requires_grad else loss, count))
+        if type(loss) is not float and loss.requires_grad:
+            loss = loss.data
+        held = self._held
+        held.append((outputs.data, targets, loss, count))
         if len(held) >= self._hold:
             self._fold()
 
@@ -131,10 +138,11 @@ class TaskMetrics:
                 and isinstance(targets, torch.Tensor)
                 and (targets.ndim >= 2 or self.token_level)
             )
-        if self._sums["loss_sum"].device != loss.device:
-            self._move(loss.device)
+        device = outputs.device if type(loss) is float else loss.device
+        if self._sums["loss_sum"].device != device:
+            self._move(device)
         if not self._hold:
-            self._hold = _hold_steps(outputs, loss)
+            self._hold = _hold_steps(outputs, device)
         self._add_losses(held)
         if self._perplexity:
             self._add_token_losses(held)
@@ -155,7 +163,7 @@ class TaskMetrics:
             return
         # Several are held only on the CPU, where reading a scalar is no sync, and is
         # quicker than stacking them; fsum is exact, so the order does not matter.
-        loss_sum.add_(math.fsum(loss.item() * count for _, _, loss, count in held))
+        loss_sum.add_(math.fsum(float(loss) * count for _, _, loss, count in held))
 
     def _add_token_losses(self, held: list[_Held]) -> None:
         """Each batch's mean cross entropy times its real tokens: their summed NLL."""
@@ -164,13 +172,14 @@ class TaskMetrics:
             _, targets, loss, _ = held[0]
             real = self._real_tokens(targets)
             # A batch of padding alone has a NaN mean loss (0/0) and adds nothing.
-            nll_sum.add_(torch.where(real > 0, loss.float() * real, 0.0))
+            value = loss.float() if isinstance(loss, torch.Tensor) else loss
+            nll_sum.add_(torch.where(real > 0, value * real, 0.0))
             tokens.add_(real)
             return
         counts = [int(self._real_tokens(targets)) for _, targets, _, _ in held]  # CPU: no sync
         losses = (loss for _, _, loss, _ in held)
         nll_sum.add_(
-            math.fsum(loss.item() * real for loss, real in zip(losses, counts, strict=True) if real)
+            math.fsum(float(loss) * real for loss, real in zip(losses, counts, strict=True) if real)
         )
         tokens.add_(sum(counts))
 
@@ -342,9 +351,9 @@ def _exp(mean_nll: float) -> float:
     return math.exp(mean_nll) if mean_nll < 709.0 else math.inf
 
 
-def _hold_steps(outputs: torch.Tensor, loss: torch.Tensor) -> int:
+def _hold_steps(outputs: torch.Tensor, device: torch.device) -> int:
     """How many batches to hold before folding them: 1 (none) off the CPU."""
-    if loss.device.type != "cpu" or outputs.device.type != "cpu":
+    if device.type != "cpu" or outputs.device.type != "cpu":
         return 1
     return max(1, min(_HOLD_STEPS, _HOLD_ELEMENTS // max(outputs.numel(), 1)))
 

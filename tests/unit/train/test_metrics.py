@@ -82,6 +82,19 @@ def test_held_batches_report_what_batch_by_batch_sums_do(kind, monkeypatch) -> N
         assert held["val/accuracy"] == one_by_one["val/accuracy"] == expected["val/accuracy"]
 
 
+@pytest.mark.parametrize("hold", [None, 1])
+@pytest.mark.parametrize("kind", ["classes", "tokens", "regression"])
+def test_a_loss_given_as_a_host_number_reports_as_the_tensor_does(kind, hold, monkeypatch) -> None:
+    # The loop's plain step hands over the loss its non-finite check read (a float).
+    batches = _batches(kind)
+    numbers = [(outputs, targets, loss.item(), n) for outputs, targets, loss, n in batches]
+    as_tensors = _compute(kind, batches, monkeypatch, hold=hold)
+    as_numbers = _compute(kind, numbers, monkeypatch, hold=hold)
+    assert as_numbers.keys() == as_tensors.keys()
+    for key, value in as_tensors.items():
+        assert as_numbers[key] == pytest.approx(value, rel=1e-6), key
+
+
 def test_batches_are_folded_once_the_hold_is_full(monkeypatch) -> None:
     monkeypatch.setattr(metrics_module, "_HOLD_STEPS", 16)
     metrics = TaskMetrics("classification")

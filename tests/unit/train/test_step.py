@@ -439,8 +439,9 @@ def test_a_step_reuses_the_gradient_accumulators_of_the_step_before(
         {"precision": Precision("bf16", torch.device("cpu"))},
         {"clipper": GradClipper(max_norm=1.0)},
         {"normalize": "tokens"},
+        {"step_fn": lambda model, batch: model(batch[0]).sum()},
     ],
-    ids=["accumulating", "bf16", "clipping", "tokens"],
+    ids=["accumulating", "bf16", "clipping", "tokens", "step_fn"],
 )
 def test_the_plain_step_serves_the_common_run_only(change, mlp_factory) -> None:
     loop = _loop(mlp_factory())
