@@ -139,12 +139,13 @@ class Loop:
     step_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
     #: Steps 3 and 4, forward and loss (``stoker.train.objective``).
     objective: LossStep | UserStep = field(init=False, repr=False)
-    #: The last micro-batch's loss with its graph, kept until the next step has run its
-    #: backward, as a hand loop's ``loss`` variable is. The graph's saved tensors are
-    #: freed by backward already; what it keeps is its nodes, and through them the
-    #: parameters' gradient accumulators, which the next forward then reuses instead of
-    #: building four new ones per step (about 7,000 instructions, 0.7% of the seed MLP's
-    #: step). Dropped at the end of each epoch.
+    #: The last micro-batch's loss with its graph, kept until the next step's forward has
+    #: run, as a hand loop's ``loss`` variable is. The graph's saved tensors are freed by
+    #: backward already; what it keeps is its nodes, and through them the parameters'
+    #: gradient accumulators, which the next forward then reuses instead of building four
+    #: new ones per step (about 7,000 instructions, 0.7% of the seed MLP's step). Let go
+    #: before that step's backward, so that backward can reuse the old graph's memory.
+    #: Dropped at the end of each epoch.
     kept_graph: torch.Tensor | None = field(default=None, init=False, repr=False)
     _finite: FiniteCheck | None = field(default=None, init=False, repr=False)
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
@@ -237,6 +238,7 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     else:
         with precision.autocast():
             outputs, loss = objective(loop.model, inputs, targets)
+    loop.kept_graph = loss  # the step before's graph is let go here, before backward
     forwarded = now()
     # 5. Backward: the batch's mean loss, unweighted.
     precision.backward(loss)
@@ -244,7 +246,6 @@ def train_step(loop: Loop, batches: Iterator[Any], metrics: TaskMetrics, window:
     # same tensor as ``detach()`` gives but made without a dispatch (a tenth of its cost);
     # its own version counter does not matter, as nothing writes to it.
     step_loss = loss.data
-    loop.kept_graph = loss
     metrics.update(outputs, targets, step_loss, size)
     loop.state.micro_step += 1
     timer.record((fetching, fetched, transferred, forwarded, now()))
@@ -424,10 +425,10 @@ def plain_step(
             inputs, targets = to_device((inputs, targets))
             transferred = now()
         outputs, loss = objective(model, inputs, targets)  # 3. forward and 4. loss
+        loop.kept_graph = loss  # as in train_step
         forwarded = now()
         loss.backward()  # 5. backward
         step_loss = loss.data
-        loop.kept_graph = loss
         record((fetching, fetched, transferred, forwarded, now()))
         verdict = check(step_loss)  # 6. check
         add_metrics(outputs, targets, check.loss_value, size)  # the number the check read
