@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -521,3 +522,20 @@ def test_a_non_finite_loss_halts_the_plain_step_naming_the_step(mlp_factory) -> 
     with pytest.raises(TrainingError, match="non-finite loss at step 3"):
         step(batches, window)
     assert loop.state.step == 2  # nothing was updated
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_the_step_befores_graph_is_let_go_before_backward(plain, toy_classification, mlp_factory):
+    # As a hand loop's `loss = loss_fn(...)` does: backward can then reuse its memory.
+    x, y = toy_classification
+    model = mlp_factory()
+    loop = _loop(model)
+    step = _steps_taken(loop, TaskMetrics("classification"), plain=plain)
+    batches, window = _batches(x[:64], y[:64], 32), StepWindow.empty(loop.device)
+    step(batches, window)
+    before = weakref.ref(loop.kept_graph)
+    alive_in_backward = []
+    next(model.parameters()).register_hook(lambda grad: alive_in_backward.append(before()))
+    step(batches, window)
+    assert alive_in_backward == [None]  # gone by the time backward ran
+    assert loop.kept_graph is not None and loop.kept_graph.grad_fn is not None
