@@ -90,7 +90,8 @@ CHECKS: dict[str, Check] = {
 
 
 def cut_down_step(check: Check, spent: list[float]) -> Callable[..., int]:
-    """``train_step`` reduced to the hand loop's calls plus ``check`` (timed into ``spent``)."""
+    """The loop's step reduced to the hand loop's calls plus ``check`` (timed into
+    ``spent``); ``train_step`` is replaced by it, and ``plain_step`` serves no step."""
     end = loop_module._END
 
     def step(loop: Any, batches: Any, metrics: Any, window: Any) -> int:
@@ -139,19 +140,20 @@ def main() -> None:
     arrays = seed_tabular()
     steps_per_epoch = -(-len(arrays) // trainer.BATCH)
     root = Path(tempfile.mkdtemp(prefix="stoker-check-cost-"))
-    real_step = loop_module.train_step
+    real_step, real_plain = loop_module.train_step, loop_module.plain_step
     step_s: dict[str, list[float]] = {name: [] for name in CHECKS}
     check_s: dict[str, list[float]] = {name: [] for name in CHECKS}
     for round_number in range(args.rounds + 1):  # round 0 warms up
         for name, check in CHECKS.items():
             spent: list[float] = []
             loop_module.train_step = cut_down_step(check, spent)
+            loop_module.plain_step = lambda loop, metrics: None  # train_step makes each step
             model = build()
             stamps = StepStamps(model)
             try:
                 trainer.stoker_fit(model, arrays, args.epochs, root)
             finally:
-                loop_module.train_step = real_step
+                loop_module.train_step, loop_module.plain_step = real_step, real_plain
                 stamps.remove()
             if round_number:
                 step_s[name].append(statistics.median(stamps.step_times(steps_per_epoch)))

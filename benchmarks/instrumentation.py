@@ -14,11 +14,12 @@ step, the median over the repeats. The same calls to builtins that do nothing ar
 control: they read the method's bias and the bare cost of the calls. The same in a
 tight loop is shown for comparison.
 
-The rest of ``stoker.train.loop.train_step``'s bookkeeping, each piece in the loop the
-same way: the non-finite check (one fused kernel over the gradients and a read of the
-loss), the running metrics, the step loss kept for the step record; and the whole
-``train_step`` as ``stoker.fit`` builds it by default (fp32, constant lr, no clipping,
-``on_nonfinite=halt``, gradient health every 100 steps) against the seed's loop body —
+The rest of the loop's step bookkeeping, each piece in the loop the same way: the
+non-finite check (one fused kernel over the gradients and a read of the loss), the
+running metrics, the step loss kept for the step record; and the whole step as
+``stoker.fit`` makes it by default (``stoker.train.loop.plain_step``: fp32, constant lr,
+no clipping, ``on_nonfinite=halt``, gradient health every 100 steps) against the seed's
+loop body —
 the trainer's own cost per step, without the noise of whole runs that
 ``trainer.py``'s overhead figure carries. The total gradient norm, which the loop
 measures only on the first step of each ``log_every_steps`` window (or every step when
@@ -63,7 +64,7 @@ from stoker.observe.system import SystemMonitor
 from stoker.observe.timing import PHASES, PhaseTimer
 from stoker.train.grad_health import GradHealth
 from stoker.train.grads import FiniteCheck, GradClipper
-from stoker.train.loop import Loop, train_step
+from stoker.train.loop import Loop, plain_step
 from stoker.train.metrics import StepWindow, TaskMetrics
 from stoker.train.monitor import Monitor
 from stoker.train.optim import ConstantLR
@@ -75,7 +76,7 @@ CPU = torch.device("cpu")
 
 
 def timed_phases(timer: PhaseTimer, batches: Iterator[object]) -> None:
-    """The timing train_step does in one step on the CPU (no gradient accumulation; no
+    """The timing the loop's step does in one step on the CPU (no gradient accumulation; no
     transfer to time: ``timer.times_transfer`` is False there)."""
     now = timer.now
     fetching = now()
@@ -95,7 +96,7 @@ class NullTimer(PhaseTimer):
 
 
 def timer_piece(timer_class: type[PhaseTimer]) -> Callable[..., Piece]:
-    """The loop's clock readings around the seed step, as train_step takes them; the
+    """The loop's clock readings around the seed step, as its step takes them; the
     epoch's summary after."""
 
     def make(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> Piece:
@@ -127,7 +128,7 @@ def after_backward(
     build: Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]],
 ) -> Callable[..., Piece]:
     """The seed step with a piece of bookkeeping between backward and the optimizer step
-    (where ``train_step`` does its own); ``build(model)`` makes the piece."""
+    (where the loop's step does its own); ``build(model)`` makes the piece."""
 
     def make(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> Piece:
         piece = build(model)
@@ -178,8 +179,9 @@ def whole_train_step(
     *,
     torch_calls: bool = False,
 ) -> Piece:
-    """``train_step`` with what ``stoker.fit`` builds by default, on the same model and
-    optimizer; ``train_epoch``'s step records are left out (one in 50 steps).
+    """The step ``stoker.fit`` makes by default (``plain_step``, built again each epoch
+    as ``train_epoch`` does), on the same model and optimizer; ``train_epoch``'s step
+    records are left out (one in 50 steps).
 
     ``torch_calls``: the optimizer's own ``step()`` and ``zero_grad()`` instead of the
     loop's (``stoker.train.optim_calls``: the same ``step()``, gradients set to None),
@@ -211,16 +213,20 @@ def whole_train_step(
     if torch_calls:
         loop.optimizer_calls.step = optimizer.step  # type: ignore[method-assign]
         loop.optimizer_calls.zero_grad = lambda: optimizer.zero_grad(set_to_none=True)  # type: ignore[method-assign]
-    parts = {"metrics": TaskMetrics("classification"), "window": StepWindow.empty(CPU)}
+    metrics = TaskMetrics("classification")
+    parts: dict[str, Any] = {"metrics": metrics, "window": StepWindow.empty(CPU)}
+    parts["step"] = plain_step(loop, metrics)
+    assert parts["step"] is not None, "stoker.fit's defaults take the plain step"
 
     def step(batches: Iterator[Any]) -> None:
         if parts["window"].steps >= 50:
             parts["window"] = StepWindow.empty(CPU)
-        train_step(loop, batches, parts["metrics"], parts["window"])
+        parts["step"](batches, parts["window"])
 
     def end_epoch() -> None:
         parts["metrics"].compute("train")
         parts["metrics"] = TaskMetrics("classification")
+        parts["step"] = plain_step(loop, parts["metrics"])
         loop.timer.close_step()
         loop.timer.summary()
         loop.timer.reset()
@@ -265,7 +271,7 @@ BOOKKEEPING: dict[str, Callable[..., Piece]] = {
     "running metrics (TaskMetrics.update)": after_backward(running_metrics),
     "step loss kept for the step record": after_backward(step_loss),
 }
-WHOLE_STEP = "train_step (stoker.fit's defaults) over the seed's step"
+WHOLE_STEP = "the loop's step (stoker.fit's defaults) over the seed's step"
 BOOKKEEPING_ALONE = "the same, with torch.optim's own step() and zero_grad()"
 
 
@@ -280,7 +286,7 @@ def main() -> None:
     epochs = 8
     print(
         f"in the loop: {repeats} repeats of {epochs} epochs, every other step with the piece: "
-        "the phase timer, its no-op control, the bookkeeping and the whole train_step",
+        "the phase timer, its no-op control, the bookkeeping and the loop's whole step",
         flush=True,
     )
     pieces: dict[str, Callable[..., Piece]] = {
