@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -406,8 +407,47 @@ def _column(
         column = column.cast(pa.float64())
     if column.null_count:
         column = column.fill_null(False if pa.types.is_boolean(column.type) else 0)
-    array: np.ndarray = column.to_numpy().astype(dtype, copy=False)
-    return array
+    return _numbers(pa, column).astype(dtype, copy=False)
+
+
+def _numbers(pa: Any, column: pa.ChunkedArray) -> np.ndarray:
+    """A null-free numeric or boolean column as one numpy array, read from its buffers.
+
+    ``to_numpy`` imports pandas when it is installed (pyarrow asks it about the column's
+    type), and pandas imports ``pyarrow.compute``: tens of MiB of resident memory for a
+    table of plain numbers. So each chunk's data buffer is read directly: integers and
+    floats in place (``np.frombuffer``, no copy; read-only when there is one chunk, as
+    ``to_numpy`` gives it), booleans (one bit a value) unpacked; the chunks joined. Other
+    types go through ``to_numpy``.
+    """
+    kind = column.type
+    if pa.types.is_boolean(kind):
+        read = _bits
+    elif pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        sign = (
+            "i" if pa.types.is_signed_integer(kind) else "u" if pa.types.is_integer(kind) else "f"
+        )
+        dtype = np.dtype(f"{sign}{kind.bit_width // 8}")
+        read = functools.partial(_fixed_width, dtype=dtype)
+    else:
+        array: np.ndarray = column.to_numpy()
+        return array
+    parts = [read(chunk) for chunk in column.chunks if len(chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else column.to_numpy()
+
+
+def _fixed_width(chunk: Any, *, dtype: np.dtype) -> np.ndarray:
+    """One chunk of fixed-width numbers, in place."""
+    offset = chunk.offset * dtype.itemsize
+    return np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=offset)
+
+
+def _bits(chunk: Any) -> np.ndarray:
+    """One chunk of booleans, unpacked from Arrow's bitmap (least significant bit first)."""
+    bits = np.unpackbits(np.frombuffer(chunk.buffers()[1], dtype=np.uint8), bitorder="little")
+    return bits[chunk.offset : chunk.offset + len(chunk)].view(np.bool_)
 
 
 def _parse_text(

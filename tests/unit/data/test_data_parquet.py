@@ -16,6 +16,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from stoker.data import build_loader  # noqa: E402
+from stoker.data import parquet as parquet_module  # noqa: E402
 from stoker.data.parquet import ParquetDataset  # noqa: E402
 from stoker.data.records import BadRecordError, FilteredBatch  # noqa: E402
 from stoker.errors import ConfigError, DataError  # noqa: E402
@@ -338,3 +339,28 @@ def test_plain_numeric_files_never_import_pyarrow_compute(two_files: Path) -> No
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.arange(-40, 40, dtype=np.int8),
+        np.arange(70_000, 70_080, dtype=np.int32),
+        np.arange(80, dtype=np.uint16),
+        np.linspace(-3, 3, 80).astype(np.float16),
+        np.linspace(-3, 3, 80).astype(np.float32),
+        np.linspace(-3, 3, 80),
+        np.arange(80) % 3 == 0,
+    ],
+    ids=["int8", "int32", "uint16", "float16", "float32", "float64", "bool"],
+)
+def test_columns_are_read_from_their_buffers_as_to_numpy_reads_them(values: np.ndarray) -> None:
+    # Chunks of several sizes, sliced so that each starts at an offset into its buffers
+    # (a bit offset inside a byte, for booleans).
+    whole = pa.array(values)
+    column = pa.chunked_array([whole.slice(3, 30), whole.slice(35, 1), whole.slice(41, 37)])
+    read = parquet_module._numbers(pa, column)
+    np.testing.assert_array_equal(read, column.to_numpy())
+    assert read.dtype == column.to_numpy().dtype
+    one_chunk = pa.chunked_array([whole.slice(5, 50)])
+    np.testing.assert_array_equal(parquet_module._numbers(pa, one_chunk), values[5:55])
