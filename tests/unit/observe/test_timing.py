@@ -12,33 +12,53 @@ from stoker.observe.timing import PHASES, PhaseStats, PhaseTimer, timing_record
 from stoker.observe.verdict import judge, run_summary, summary_lines
 
 
-def _step(timer: PhaseTimer, waits: dict[str, float]) -> None:
+class FakeClock:
+    """A clock that moves only when told to: timings a busy machine cannot disturb."""
+
+    def __init__(self) -> None:
+        self.time = 100.0
+
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.time += seconds
+
+
+def _timer(clock: FakeClock) -> PhaseTimer:
+    """A CPU timer reading ``clock`` (the loop reads ``timer.now`` at each phase's end)."""
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.now = clock.now
+    return timer
+
+
+def _step(timer: PhaseTimer, waits: dict[str, float], clock: FakeClock) -> None:
     """One step as the loop times it: a reading at each phase's end, handed over at once."""
     fetching = timer.now()
-    time.sleep(waits.get("data_wait", 0))
+    clock.sleep(waits.get("data_wait", 0))
     readings = [fetching, timer.now()]
     for phase in PHASES[1:-1]:
-        time.sleep(waits.get(phase, 0))
+        clock.sleep(waits.get(phase, 0))
         if phase == "transfer" and not timer.times_transfer:  # as the loop: no copy on the CPU
             readings.append(readings[-1])
         else:
             readings.append(timer.now())
     timer.record(tuple(readings))
-    time.sleep(waits.get("optimizer", 0))  # the optimizer phase ends at the next fetch
+    clock.sleep(waits.get("optimizer", 0))  # the optimizer phase ends at the next fetch
 
 
 def test_phase_timer_attributes_time_to_the_right_phase() -> None:
-    timer = PhaseTimer(torch.device("cpu"))
+    clock = FakeClock()
+    timer = _timer(clock)
+    waits = {"data_wait": 0.06, "forward": 0.02, "backward": 0.03, "optimizer": 0.012}
     for _ in range(3):
-        _step(timer, {"data_wait": 0.06, "backward": 0.03, "optimizer": 0.012})
+        _step(timer, waits, clock)
     timer.close_step()
     stats = timer.summary()
     assert timer.steps == 3
-    # A sleep never ends early, so each phase holds at least its sleep; a busy machine
-    # only adds to it. The upper bound leaves 11 ms for that and still catches any
-    # neighbour's sleep (>= 12 ms) counted in the wrong phase.
-    for phase, slept in {"data_wait": 0.06, "backward": 0.03, "optimizer": 0.012}.items():
-        assert slept <= stats[phase].median_s < slept + 0.011, phase
+    for phase in PHASES:  # each phase holds its own wait, and no neighbour's
+        assert stats[phase].median_s == pytest.approx(waits.get(phase, 0.0)), phase
+    assert stats["step"].median_s == pytest.approx(sum(waits.values()))
     assert stats["data_wait"].share > stats["forward"].share
     assert sum(stats[p].share for p in PHASES) == pytest.approx(1.0)
     record = timing_record(stats)
@@ -47,37 +67,45 @@ def test_phase_timer_attributes_time_to_the_right_phase() -> None:
 
 
 def test_laps_add_up_over_micro_batches() -> None:
-    timer = PhaseTimer(torch.device("cpu"))
+    clock = FakeClock()
+    timer = _timer(clock)
     readings = [timer.now(), timer.now()]
     for _ in range(3):  # three micro-batches, in the loop's order
         transferred = readings[-1]  # no copy on the CPU: no reading either
-        time.sleep(0.005)
-        readings += (transferred, timer.now(), timer.now())
+        clock.sleep(0.005)
+        forwarded = timer.now()
+        clock.sleep(0.002)
+        readings += (transferred, forwarded, timer.now())
     timer.record(tuple(readings))
     timer.close_step()
     stats = timer.summary()
-    assert stats["forward"].total_s >= 0.015
-    assert stats["backward"].total_s < 0.005 and stats["transfer"].total_s == 0.0
+    assert stats["forward"].total_s == pytest.approx(0.015)
+    assert stats["backward"].total_s == pytest.approx(0.006)
+    assert stats["transfer"].total_s == 0.0
 
 
 def test_a_fetch_that_found_no_batch_is_not_a_step() -> None:
-    timer = PhaseTimer(torch.device("cpu"))
-    _step(timer, {})
+    clock = FakeClock()
+    timer = _timer(clock)
+    _step(timer, {}, clock)
     fetching = timer.now()  # the epoch had no batch left
     timer.close_step(fetching)
     assert timer.steps == 1
 
 
 def test_reset_starts_an_epoch_but_the_run_keeps_all_steps() -> None:
-    timer = PhaseTimer(torch.device("cpu"))
-    _step(timer, {})
+    clock = FakeClock()
+    timer = _timer(clock)
+    step = {"forward": 0.003, "optimizer": 0.001}
+    _step(timer, step, clock)
     timer.reset()  # ends the open step: what runs before the next epoch is no step's
-    time.sleep(0.02)
-    _step(timer, {})
-    _step(timer, {})
+    clock.sleep(0.02)
+    _step(timer, step, clock)
+    _step(timer, step, clock)
     timer.close_step()
     assert timer.steps == 2
-    assert timer.summary(whole_run=True)["step"].total_s < 0.02
+    assert timer.summary()["step"].total_s == pytest.approx(0.008)
+    assert timer.summary(whole_run=True)["step"].total_s == pytest.approx(0.012)
     assert len(timer.summary(whole_run=True)) == len(PHASES) + 1
     assert timer.summary()["step"].total_s <= timer.summary(whole_run=True)["step"].total_s
 
