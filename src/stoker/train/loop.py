@@ -381,12 +381,13 @@ def plain_step(
     """``train_step`` for the common run, with all it reads bound once per epoch.
 
     On a small model every attribute read and call of the loop's own shows in the step
-    time (the seed MLP's step is under 200 µs; ``docs/performance.md`` says what each part
-    of the bookkeeping costs there). The common run — one micro-batch a step, fp32, no clipping, the
-    built-in forward and loss over samples — steps here from locals. The metrics hold the
-    loss as the number the check read, not as a tensor: a tensor kept per step until the
-    metrics fold (256 steps on the CPU) leaves the allocator fewer freed blocks to reuse
-    (on the seed MLP about 3,700 instructions of malloc's a step, counted by callgrind).
+    time (the seed MLP's step is under 200 µs; ``docs/performance.md`` says what each
+    part of the bookkeeping costs there). The common run — one micro-batch a step, fp32,
+    no clipping, the built-in forward and loss over samples — steps here from locals.
+    The metrics hold the loss as the number the check read, not as a tensor: a tensor
+    kept per step until the metrics fold (256 steps on the CPU) leaves the allocator
+    fewer freed blocks to reuse (on the seed MLP about 3,700 instructions of malloc's a
+    step, counted by callgrind).
     A step that needs more goes on from the check's verdict through ``_update``: a
     non-finite loss or gradient, every step of ``on_nonfinite=skip`` (which keeps the
     metrics first), a step whose gradients the health check samples, and each window's
