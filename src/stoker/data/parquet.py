@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -418,27 +417,28 @@ def _numbers(pa: Any, column: pa.ChunkedArray) -> np.ndarray:
     table of plain numbers. So each chunk's data buffer is read directly: integers and
     floats in place (``np.frombuffer``, no copy; read-only when there is one chunk, as
     ``to_numpy`` gives it), booleans (one bit a value) unpacked; the chunks joined. Other
-    types go through ``to_numpy``.
+    types, and a column with no rows, go through ``to_numpy``.
     """
     kind = column.type
+    chunks = [chunk for chunk in column.chunks if len(chunk)]
     if pa.types.is_boolean(kind):
-        read = _bits
-    elif pa.types.is_integer(kind) or pa.types.is_floating(kind):
-        sign = (
-            "i" if pa.types.is_signed_integer(kind) else "u" if pa.types.is_integer(kind) else "f"
-        )
-        dtype = np.dtype(f"{sign}{kind.bit_width // 8}")
-        read = functools.partial(_fixed_width, dtype=dtype)
+        parts = [_bits(chunk) for chunk in chunks]
+    elif pa.types.is_floating(kind) or pa.types.is_integer(kind):
+        if pa.types.is_floating(kind):
+            letter = "f"
+        else:
+            letter = "u" if pa.types.is_unsigned_integer(kind) else "i"
+        dtype = np.dtype(f"{letter}{kind.bit_width // 8}")
+        parts = [_fixed_width(chunk, dtype) for chunk in chunks]
     else:
+        parts = []
+    if not parts:
         array: np.ndarray = column.to_numpy()
         return array
-    parts = [read(chunk) for chunk in column.chunks if len(chunk)]
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else column.to_numpy()
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _fixed_width(chunk: Any, *, dtype: np.dtype) -> np.ndarray:
+def _fixed_width(chunk: Any, dtype: np.dtype) -> np.ndarray:
     """One chunk of fixed-width numbers, in place."""
     offset = chunk.offset * dtype.itemsize
     return np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=offset)
